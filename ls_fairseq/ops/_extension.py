@@ -1,0 +1,148 @@
+"""Just-in-time build and loading of the CUDA extension in ``csrc/``.
+
+The extension is built once per machine (cached by torch in ``TORCH_EXTENSIONS_DIR``) the first
+time a fused op sees a CUDA tensor. Its C++ side registers the ops under ``torch.ops.ls_fairseq``
+with ``TORCH_LIBRARY``; each ``ls_fairseq/ops/<op>.py`` holds the Python binding, the autograd
+wiring and the pure-PyTorch reference of one op.
+
+Policy, from the environment variable ``LS_FAIRSEQ_KERNELS``:
+
+* ``auto`` (default): use the kernels when the build works; otherwise fall back to the PyTorch
+  reference path with one warning that says why.
+* ``require``: a missing GPU, nvcc or a failed build raises, so a benchmark can never silently
+  measure the fallback.
+* ``off``: always use the PyTorch reference path.
+
+The build result is process-wide on purpose (a shared library is loaded once per process); no
+layer keeps state here.
+"""
+import glob
+import logging
+import os
+import threading
+import warnings
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "LS_FAIRSEQ_KERNELS"
+EXTENSION_NAME = "ls_fairseq_C"
+_MODES = ("auto", "require", "off")
+
+_lock = threading.Lock()
+_loaded = None  # None: not tried yet; True/False: result of the one build attempt
+_failure_reason = ""
+_warned = False
+
+
+def mode() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in _MODES:
+        raise ValueError(f"{ENV_VAR}={value!r} is not one of {', '.join(_MODES)}")
+    return value
+
+
+def csrc_dir() -> str:
+    """The CUDA sources: shipped inside the package by setup.py, or the repository's csrc/."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for candidate in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
+        if os.path.isdir(candidate) and source_files(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"ls_fairseq: no CUDA sources found in {os.path.join(here, 'csrc')} or the repository's "
+        "csrc/; reinstall the package (pip install .) so the sources are shipped with it"
+    )
+
+
+def source_files(directory: str):
+    return sorted(
+        glob.glob(os.path.join(directory, "*.cpp")) + glob.glob(os.path.join(directory, "*.cu"))
+    )
+
+
+def _arch_flags():
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible to torch")
+    if cpp_extension.CUDA_HOME is None:
+        raise RuntimeError("nvcc was not found (set CUDA_HOME)")
+    directory = csrc_dir()
+    cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=source_files(directory),
+        extra_include_paths=[directory],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"] + _arch_flags(),
+        is_python_module=False,
+        verbose=os.environ.get("LS_FAIRSEQ_VERBOSE_BUILD", "0") == "1",
+    )
+
+
+def load() -> bool:
+    """Build/load the extension once; True when the kernels are usable in this process."""
+    global _loaded, _failure_reason
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                _build()
+                _loaded = True
+            except Exception as exc:  # noqa: BLE001 - any failure means "use the fallback"
+                _loaded = False
+                _failure_reason = f"{type(exc).__name__}: {exc}"
+    return _loaded
+
+
+def failure_reason() -> str:
+    return _failure_reason
+
+
+def use_kernels(*tensors) -> bool:
+    """True when the CUDA kernels should run for these tensors; decides fallback and warns once."""
+    global _warned
+    current = mode()
+    if current == "off":
+        return False
+    if not all(t is None or t.is_cuda for t in tensors):
+        if current == "require":
+            raise RuntimeError(
+                f"{ENV_VAR}=require but an ls_fairseq op got a CPU tensor; run on a CUDA device "
+                f"or unset {ENV_VAR}"
+            )
+        return False
+    if load():
+        return True
+    if current == "require":
+        raise RuntimeError(
+            f"{ENV_VAR}=require but the ls_fairseq CUDA extension is unavailable: {_failure_reason}"
+        )
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "ls_fairseq: CUDA kernels unavailable, using the PyTorch reference path "
+            f"(slower, same math). Reason: {_failure_reason}. Set {ENV_VAR}=require to make "
+            "this an error.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def has_op(name: str) -> bool:
+    """True when the loaded extension registered ``torch.ops.ls_fairseq.<name>``."""
+    return bool(_loaded) and hasattr(torch.ops.ls_fairseq, name)
+
+
+def _reset_for_tests():
+    """Forget the build result (tests only)."""
+    global _loaded, _failure_reason, _warned
+    _loaded, _failure_reason, _warned = None, "", False

@@ -1,0 +1,17 @@
+"""LayerNorm over the last dimension, fairseq's eps (1e-5), fp32 statistics."""
+import torch
+import torch.nn.functional as F
+
+from . import _extension
+
+
+def layer_norm_reference(x, weight, bias, eps: float = 1e-5):
+    return F.layer_norm(x, (x.size(-1),), weight, bias, eps)
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5):
+    if _extension.use_kernels(x) and _extension.has_op("layer_norm_fwd"):
+        from ._layer_norm_cuda import layer_norm_cuda
+
+        return layer_norm_cuda(x, weight, bias, eps)
+    return layer_norm_reference(x, weight, bias, eps)
