@@ -1,0 +1,1 @@
+"""Command-line tools: ls-fairseq-convert, ls-fairseq-compare, ls-fairseq-quickstart."""

@@ -1,0 +1,143 @@
+"""Multi-head attention sublayers: decoder/encoder self-attention and cross attention.
+
+Parameter names, shapes, initialisation and construction order are those of fairseq's
+``MultiheadAttention`` (``k_proj``, ``v_proj``, ``q_proj``, ``out_proj``). The math differs only in
+how it is batched: the three self-attention projections run as one GEMM, and the cross-attention
+keys/values of all decoder layers come precomputed from :class:`LayerBatchedEncoderKV`.
+
+Both modules return the output projection *without its bias*: the layer fuses
+``bias + dropout + residual`` in one op.
+"""
+import math
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.incremental_decoding_utils import with_incremental_state
+from torch import Tensor
+
+from .. import ops
+
+
+def _projections(module: nn.Module, embed_dim: int, kdim: int, vdim: int):
+    """Create k/v/q/out projections in fairseq's order with fairseq's initialisation."""
+    module.k_proj = nn.Linear(kdim, embed_dim)
+    module.v_proj = nn.Linear(vdim, embed_dim)
+    module.q_proj = nn.Linear(embed_dim, embed_dim)
+    module.out_proj = nn.Linear(embed_dim, embed_dim)
+    gain = 1 / math.sqrt(2) if (kdim == embed_dim and vdim == embed_dim) else 1.0
+    nn.init.xavier_uniform_(module.k_proj.weight, gain=gain)
+    nn.init.xavier_uniform_(module.v_proj.weight, gain=gain)
+    nn.init.xavier_uniform_(module.q_proj.weight, gain=gain)
+    nn.init.xavier_uniform_(module.out_proj.weight)
+    nn.init.constant_(module.out_proj.bias, 0.0)
+
+
+def _check_heads(embed_dim: int, num_heads: int):
+    if embed_dim % num_heads != 0:
+        raise ValueError(
+            f"attention embed dim {embed_dim} is not divisible by the number of heads {num_heads} "
+            "(--encoder/decoder-attention-heads)"
+        )
+
+
+def _merge_heads(ctx: Tensor) -> Tensor:
+    """[B, H, T, D] -> [B, T, H * D]."""
+    b, h, t, d = ctx.shape
+    return ctx.transpose(1, 2).reshape(b, t, h * d)
+
+
+@with_incremental_state
+class SelfAttention(nn.Module):
+    """Self-attention with one fused QKV projection; causal and incremental for the decoder."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+        super().__init__()
+        _check_heads(embed_dim, num_heads)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        _projections(self, embed_dim, embed_dim, embed_dim)
+
+    def qkv_weight_and_bias(self):
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        return w, b
+
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Optional[Tensor],
+        causal: bool,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = False,
+    ):
+        """x [B, T, C] -> (out_proj(ctx) without bias [B, T, C], probs [B, H, T, S] or None)."""
+        bsz, tgt_len, _ = x.shape
+        weight, bias = self.qkv_weight_and_bias()
+        qkv = F.linear(x, weight, bias).view(bsz, tgt_len, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
+        if incremental_state is not None:
+            saved = self.get_incremental_state(incremental_state, "attn_state")
+            if saved is not None:
+                k = torch.cat([saved["prev_key"], k], dim=2)
+                v = torch.cat([saved["prev_value"], v], dim=2)
+                prev_mask = saved.get("prev_key_padding_mask")
+                if prev_mask is not None or key_padding_mask is not None:
+                    if prev_mask is None:
+                        prev_mask = key_padding_mask.new_zeros(bsz, k.size(2) - tgt_len)
+                    if key_padding_mask is None:
+                        key_padding_mask = prev_mask.new_zeros(bsz, tgt_len)
+                    key_padding_mask = torch.cat([prev_mask, key_padding_mask], dim=1)
+            self.set_incremental_state(
+                incremental_state,
+                "attn_state",
+                {"prev_key": k, "prev_value": v, "prev_key_padding_mask": key_padding_mask},
+            )
+        ctx, probs = ops.attention(
+            q, k, v, key_padding_mask, causal=causal, dropout_p=self.dropout,
+            training=self.training, need_weights=need_weights,
+        )
+        return F.linear(_merge_heads(ctx), self.out_proj.weight), probs
+
+    def reorder_incremental_state(
+        self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor
+    ):
+        saved = self.get_incremental_state(incremental_state, "attn_state")
+        if saved is not None:
+            for key, value in saved.items():
+                if value is not None:
+                    saved[key] = value.index_select(0, new_order)
+            self.set_incremental_state(incremental_state, "attn_state", saved)
+        return incremental_state
+
+
+class CrossAttention(nn.Module):
+    """Decoder-to-encoder attention. Keys/values are computed outside, for all layers at once.
+
+    ``k_proj``/``v_proj`` live here (fairseq's ``encoder_attn.k_proj``...), but the decoder's
+    :class:`LayerBatchedEncoderKV` reads them to project the encoder output in one GEMM.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float = 0.0):
+        super().__init__()
+        _check_heads(embed_dim, num_heads)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        _projections(self, embed_dim, kdim, vdim)
+
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+                need_weights: bool = False):
+        """x [B, T, C], k/v [B, H, S, D] -> (out_proj(ctx) without bias, probs or None)."""
+        bsz, tgt_len, _ = x.shape
+        q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
+        q = q.view(bsz, tgt_len, self.num_heads, self.head_dim).transpose(1, 2)
+        ctx, probs = ops.attention(
+            q, k, v, key_padding_mask, causal=False, dropout_p=self.dropout,
+            training=self.training, need_weights=need_weights,
+        )
+        return F.linear(_merge_heads(ctx), self.out_proj.weight), probs

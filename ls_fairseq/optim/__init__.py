@@ -1,0 +1,1 @@
+from . import ls_adam  # noqa: F401  (registers the optimizer)
