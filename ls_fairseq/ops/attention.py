@@ -29,13 +29,14 @@ def attention_reference(
     q, k, v, key_padding_mask=None, causal: bool = False, dropout_p: float = 0.0,
     training: bool = False, need_weights: bool = False,
 ):
-    """Returns ``(out [B, H, Tq, D], probs [B, H, Tq, Tk] fp32 or None)``."""
+    """Returns ``(out [B, H, Tq, D], probs [B, H, Tq, Tk] (fp32 or wider) or None)``."""
     q = q * (q.size(-1) ** -0.5)
     scores = torch.matmul(q, k.transpose(-1, -2))
     mask = _mask(key_padding_mask, causal, q.size(-2), k.size(-2), q.device)
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1)
+    # fp32 statistics for half inputs (never lower than the input precision)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     if mask is not None:
         # rows with every key masked: softmax gives NaN; define them as attending nowhere
         probs = probs.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)

@@ -17,7 +17,7 @@ from . import _extension
 
 def label_smoothed_cross_entropy_reference(logits, target, epsilon: float, ignore_index: int):
     """logits [N, V] (any float dtype), target [N] int64 -> (loss, nll_loss) fp32 sums."""
-    lprobs = torch.log_softmax(logits.float(), dim=-1)
+    lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     target = target.unsqueeze(-1)
     nll_loss = -lprobs.gather(dim=-1, index=target)
     smooth_loss = -lprobs.sum(dim=-1, keepdim=True)

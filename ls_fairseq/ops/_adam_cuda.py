@@ -1,0 +1,156 @@
+"""CUDA binding of the fused multi-tensor Adam step (``csrc/adam.cu``).
+
+``adam_step_cuda`` has the signature of :func:`ls_fairseq.ops.adam.adam_step_reference` plus a
+few keyword extensions, all optional:
+
+* ``grad_scale`` may be a Python number or a one-element CUDA tensor (fairseq's fp16 wrappers
+  keep their multiply factor on the device after ``--clip-norm``; no host sync is needed).
+* ``model_copies``: one fp16/bf16 tensor per param; the updated fp32 master value is written
+  into it in the same launch (fairseq ``--fp16``: master -> model copy without the per-tensor
+  copy loop). ``params``/``exp_avgs``/``exp_avg_sqs`` may be views into fairseq's flat fp32
+  buffers and ``grads`` the model's own fp16 grads.
+* ``moment_scales``: a float32 CUDA tensor ``[n, 2]`` (column 0 scales ``exp_avgs``, column 1
+  ``exp_avg_sqs``) for fp16 moments stored as ``true / scale`` (fairseq's ``--fp16-adam-stats``
+  rule: after the step ``scale = 1e-8 + max|moment| / 65504``). Updated in place. This variant
+  runs a statistics pass (new moment maxima) before the update pass: two launches.
+
+All tensors of one dtype combination are updated by one kernel launch, whatever their number and
+sizes. Returns ``found_inf``, an int32 CUDA tensor that is 1 when some scaled gradient was inf/NaN;
+such elements are left untouched (no NaN is written into the optimizer state or the weights).
+"""
+import math
+from typing import List, Optional, Sequence
+
+import torch
+
+FP16_MAX = 65504.0
+_SUPPORTED = {
+    (torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+}
+
+
+def _scale_tensor(grad_scale, device):
+    if torch.is_tensor(grad_scale):
+        t = grad_scale.detach().to(device=device, dtype=torch.float32).reshape(1)
+        return 1.0, t
+    return float(grad_scale), None
+
+
+def adam_step_cuda(
+    params: List[torch.Tensor],
+    grads: List[torch.Tensor],
+    exp_avgs: List[torch.Tensor],
+    exp_avg_sqs: List[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale=1.0,
+    model_copies: Optional[Sequence[torch.Tensor]] = None,
+    moment_scales: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+):
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+        raise ValueError("adam_step: params, grads, exp_avgs and exp_avg_sqs differ in length")
+    if model_copies is not None and len(model_copies) != n:
+        raise ValueError("adam_step: model_copies must have one tensor per param")
+    if n == 0:
+        return found_inf
+    device = params[0].device
+    if found_inf is None:
+        found_inf = torch.zeros(1, dtype=torch.int32, device=device)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+    scale_f, scale_t = _scale_tensor(grad_scale, device)
+
+    # One launch per dtype combination (normally exactly one). Non-contiguous state or params
+    # (never seen in fairseq) go through the reference math tensor by tensor.
+    groups = {}
+    for i in range(n):
+        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        if p.numel() == 0:
+            continue
+        contiguous = p.is_contiguous() and m.is_contiguous() and v.is_contiguous() and (
+            model_copies is None or model_copies[i].is_contiguous())
+        key = (p.dtype, g.dtype, m.dtype, v.dtype,
+               None if model_copies is None else model_copies[i].dtype)
+        if not contiguous or (p.dtype, g.dtype) not in _SUPPORTED or m.dtype != v.dtype or \
+                m.dtype not in (torch.float32, torch.float16) or moment_scales is not None and \
+                m.dtype != torch.float16:
+            key = "fallback"
+        groups.setdefault(key, []).append(i)
+
+    for key, idx in groups.items():
+        if key == "fallback":
+            _fallback(params, grads, exp_avgs, exp_avg_sqs, idx, model_copies, moment_scales,
+                      lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                      step=step, grad_scale=grad_scale, found_inf=found_inf)
+            continue
+        ps = [params[i] for i in idx]
+        gs = [grads[i] if grads[i].is_contiguous() else grads[i].contiguous() for i in idx]
+        ms = [exp_avgs[i] for i in idx]
+        vs = [exp_avg_sqs[i] for i in idx]
+        outs = [] if model_copies is None else [model_copies[i] for i in idx]
+        m_sc = v_sc = None
+        if moment_scales is not None:
+            sel = moment_scales if len(idx) == n else moment_scales[idx]
+            m_sc = torch.empty(len(idx), 2, dtype=torch.float32, device=device)
+            v_sc = torch.empty_like(m_sc)
+            m_sc[:, 0] = sel[:, 0]
+            v_sc[:, 0] = sel[:, 1]
+            maxima = torch.zeros(len(idx), 2, dtype=torch.float32, device=device)
+            torch.ops.ls_fairseq.multi_tensor_adam_moment_max(
+                ps, gs, ms, vs, scale_t, m_sc, v_sc, found_inf, maxima, beta1, beta2, scale_f)
+            new = maxima.div_(FP16_MAX).add_(1e-8)  # fairseq FusedAdamV1's rule
+            m_sc[:, 1] = new[:, 0]
+            v_sc[:, 1] = new[:, 1]
+        torch.ops.ls_fairseq.multi_tensor_adam(
+            ps, gs, ms, vs, outs, scale_t, m_sc, v_sc, found_inf,
+            float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+            float(step_size), scale_f)
+        if moment_scales is not None:
+            if len(idx) == n:
+                moment_scales.copy_(new)
+            else:
+                moment_scales[idx] = new
+    return found_inf
+
+
+def _fallback(params, grads, exp_avgs, exp_avg_sqs, idx, model_copies, moment_scales, *,
+              found_inf, grad_scale, **kw):
+    """Reference math for tensors the kernel does not take (non-contiguous, odd dtypes)."""
+    from .adam import adam_step_reference
+
+    for i in idx:
+        g = grads[i].float() * grad_scale
+        bad = ~torch.isfinite(g)
+        if bool(bad.any()):
+            found_inf.fill_(1)
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        if moment_scales is not None:
+            m32 = m.float() * moment_scales[i, 0]
+            v32 = v.float() * moment_scales[i, 1]
+        else:
+            m32, v32 = m.float(), v.float()
+        p32 = params[i].float()
+        old = (p32.clone(), m32.clone(), v32.clone())
+        adam_step_reference([p32], [g.masked_fill(bad, 0.0)], [m32], [v32], grad_scale=1.0, **kw)
+        for new_t, old_t in zip((p32, m32, v32), old):  # untouched where the grad was not finite
+            new_t.copy_(torch.where(bad, old_t, new_t))
+        if moment_scales is not None:
+            moment_scales[i, 0] = 1e-8 + m32.abs().max() / FP16_MAX
+            moment_scales[i, 1] = 1e-8 + v32.abs().max() / FP16_MAX
+            m32 = m32 / moment_scales[i, 0]
+            v32 = v32 / moment_scales[i, 1]
+        params[i].copy_(p32)
+        m.copy_(m32)
+        v.copy_(v32)
+        if model_copies is not None:
+            model_copies[i].copy_(p32)

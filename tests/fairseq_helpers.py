@@ -1,0 +1,79 @@
+"""Shared helpers: build fairseq and ls_ models/criteria from the real fairseq option parser."""
+import argparse
+
+import torch
+from fairseq import options
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_MODEL_REGISTRY
+
+import ls_fairseq  # noqa: F401  (registers the ls_ components)
+
+
+def make_dictionary(num_symbols=37):
+    d = Dictionary()
+    for i in range(num_symbols):
+        d.add_symbol(f"w{i}")
+    d.finalize(padding_factor=1)
+    return d
+
+
+class DummyTask:
+    def __init__(self, dictionary):
+        self.source_dictionary = dictionary
+        self.target_dictionary = dictionary
+
+
+def model_args(arch, extra=()):
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, ["/nonexistent", "--arch", arch, "--task", "translation", *extra]
+    )
+    return args
+
+
+def build_model(arch, dictionary, extra=(), seed=0):
+    args = model_args(arch, extra)
+    torch.manual_seed(seed)
+    return ARCH_MODEL_REGISTRY[arch].build_model(args, DummyTask(dictionary))
+
+
+def build_pair(arch, dictionary, extra=(), seed=0):
+    """fairseq's model for `arch` and the ls_ twin, both from the same seed."""
+    ref = build_model(arch, dictionary, extra, seed)
+    ls = build_model("ls_" + arch, dictionary, extra, seed)
+    return ref, ls
+
+
+def random_batch(dictionary, bsz, src_len, tgt_len, generator=None, left_pad_source=True):
+    """Token batches with varying lengths and padding (fairseq's default padding sides)."""
+    g = generator
+    pad, eos = dictionary.pad(), dictionary.eos()
+    low, high = dictionary.nspecial, len(dictionary)
+    src = torch.full((bsz, src_len), pad, dtype=torch.long)
+    prev = torch.full((bsz, tgt_len), pad, dtype=torch.long)
+    tgt = torch.full((bsz, tgt_len), pad, dtype=torch.long)
+    src_lengths = torch.randint(1, src_len + 1, (bsz,), generator=g)
+    src_lengths[0] = src_len
+    tgt_lengths = torch.randint(1, tgt_len + 1, (bsz,), generator=g)
+    tgt_lengths[-1] = tgt_len
+    for i in range(bsz):
+        ls, lt = int(src_lengths[i]), int(tgt_lengths[i])
+        s = torch.randint(low, high, (ls,), generator=g)
+        s[-1] = eos
+        if left_pad_source:
+            src[i, src_len - ls:] = s
+        else:
+            src[i, :ls] = s
+        t = torch.randint(low, high, (lt,), generator=g)
+        t[-1] = eos
+        tgt[i, :lt] = t
+        prev[i, 0] = eos
+        prev[i, 1:lt] = t[:-1]
+    return src, src_lengths, prev, tgt
+
+
+def max_rel_err(a, b):
+    """max |a - b| / max |b|: the error scale relative to the tensor's magnitude."""
+    a, b = a.double(), b.double()
+    denom = b.abs().max().clamp_min(1e-30)
+    return float((a - b).abs().max() / denom)
