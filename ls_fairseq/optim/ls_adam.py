@@ -83,11 +83,33 @@ class LSAdam(torch.optim.Optimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, dtype=stats_dtype)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=stats_dtype)
+            if self.fp16_stats:
+                state["exp_avg_scale"] = state["exp_avg_sq_scale"] = 1.0
         else:  # e.g. loaded from a checkpoint written by fairseq's adam on another device/dtype
             for key in ("exp_avg", "exp_avg_sq"):
                 if state[key].device != p.device or state[key].dtype != stats_dtype:
                     state[key] = state[key].to(device=p.device, dtype=stats_dtype)
+            if self.fp16_stats:
+                state.setdefault("exp_avg_scale", 1.0)
+                state.setdefault("exp_avg_sq_scale", 1.0)
         return state
+
+    def _step_fp16_stats(self, p, state, group, step, grad_scale):
+        """fairseq's ``--fp16-adam-stats``: moments stored in fp16 divided by a per-tensor scale
+        (max-norm / fp16 max), as fairseq's FusedAdam does, so small second moments survive."""
+        fp16_max = torch.finfo(torch.float16).max
+        exp_avg = state["exp_avg"].float() * state["exp_avg_scale"]
+        exp_avg_sq = state["exp_avg_sq"].float() * state["exp_avg_sq_scale"]
+        beta1, beta2 = group["betas"]
+        ops.adam_step(
+            [p.data], [p.grad.data], [exp_avg], [exp_avg_sq], lr=group["lr"], beta1=beta1,
+            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+            grad_scale=grad_scale,
+        )
+        state["exp_avg_scale"] = 1e-8 + exp_avg.abs().max() / fp16_max
+        state["exp_avg_sq_scale"] = 1e-8 + exp_avg_sq.abs().max() / fp16_max
+        state["exp_avg"] = (exp_avg / state["exp_avg_scale"]).half()
+        state["exp_avg_sq"] = (exp_avg_sq / state["exp_avg_sq_scale"]).half()
 
     @torch.no_grad()
     def step(self, closure=None, scale=1.0, groups=None):
@@ -102,6 +124,9 @@ class LSAdam(torch.optim.Optimizer):
                     raise RuntimeError("ls_adam does not support sparse gradients")
                 state = self._state_for(p)
                 state["step"] += 1
+                if self.fp16_stats:
+                    self._step_fp16_stats(p, state, group, state["step"], 1.0 / scale)
+                    continue
                 # tensors resumed from different checkpoints may be at different steps
                 by_step.setdefault(state["step"], []).append((p, state))
             beta1, beta2 = group["betas"]

@@ -1,0 +1,92 @@
+"""ls_label_smoothed_cross_entropy vs fairseq's label_smoothed_cross_entropy (CPU).
+
+Both criteria see the same model output; loss, nll_loss, sample_size, accuracy counts and every
+parameter gradient must agree. Tolerance: relative 1e-6 on losses (fp32 sums of the same terms in
+a different order) and the gradient rule of test_model_equivalence.
+"""
+import argparse
+
+import pytest
+import torch
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    label_smoothed_nll_loss,
+)
+
+from fairseq_helpers import DummyTask, build_model, make_dictionary, max_rel_err, random_batch
+from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
+    LSLabelSmoothedCrossEntropyCriterion,
+)
+from ls_fairseq.ops import label_smoothed_cross_entropy_reference
+
+TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
+        "--encoder-ffn-embed-dim", "24", "--encoder-attention-heads", "2",
+        "--decoder-attention-heads", "2", "--dropout", "0", "--share-all-embeddings"]
+
+
+@pytest.fixture(scope="module")
+def dictionary():
+    return make_dictionary(51)
+
+
+def _sample(dictionary, g, bsz=5, src_len=7, tgt_len=9):
+    src, src_lengths, prev, tgt = random_batch(dictionary, bsz, src_len, tgt_len, g)
+    return {
+        "net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
+        "target": tgt,
+        "ntokens": int(tgt.ne(dictionary.pad()).sum()),
+    }
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.37])
+@pytest.mark.parametrize("ignore_prefix_size", [0, 2])
+@pytest.mark.parametrize("sentence_avg", [False, True])
+def test_matches_fairseq(dictionary, eps, ignore_prefix_size, sentence_avg):
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=sentence_avg, label_smoothing=eps,
+                  ignore_prefix_size=ignore_prefix_size, report_accuracy=True)
+    ref_crit = LabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    ls_crit = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    g = torch.Generator().manual_seed(int(eps * 100) + ignore_prefix_size + 7 * sentence_avg)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    sample = _sample(dictionary, g)
+
+    ref_loss, ref_size, ref_log = ref_crit(model, sample)
+    ref_loss.backward()
+    ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    ls_loss, ls_size, ls_log = ls_crit(model, sample)
+    ls_loss.backward()
+
+    assert ls_size == ref_size
+    assert max_rel_err(ls_loss.detach(), ref_loss.detach()) <= 1e-6
+    assert max_rel_err(ls_log["nll_loss"], ref_log["nll_loss"]) <= 1e-6
+    for key in ("ntokens", "nsentences", "sample_size", "n_correct", "total"):
+        assert ls_log[key] == ref_log[key], key
+    for key, p in model.named_parameters():
+        assert max_rel_err(p.grad, ref_grads[key]) <= 1e-5, key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n,v", [(1, 2), (13, 7), (64, 301)])
+def test_op_reference_matches_fairseq_formula(dtype, n, v):
+    g = torch.Generator().manual_seed(n * v)
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[0] = 1  # make sure some rows are padding (ignore_index=1)
+    lprobs = torch.log_softmax(logits.double(), dim=-1)
+    ref_loss, ref_nll = label_smoothed_nll_loss(lprobs, target, 0.1, ignore_index=1)
+    loss, nll = label_smoothed_cross_entropy_reference(logits, target, 0.1, ignore_index=1)
+    tol = 1e-5 if dtype != torch.float64 else 1e-12
+    assert max_rel_err(loss, ref_loss) <= tol
+    assert max_rel_err(nll, ref_nll) <= tol
+
+
+def test_per_token_losses_use_fairseq_path(dictionary):
+    task = DummyTask(dictionary)
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1, 0, False)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    sample = _sample(dictionary, torch.Generator().manual_seed(0))
+    out = model(**sample["net_input"])
+    loss, _ = crit.compute_loss(model, out, sample, reduce=False)
+    assert loss.numel() == sample["target"].numel()
