@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""End-to-end training throughput: fairseq's transformer vs ls_transformer, real fairseq-train.
+
+On a GPU machine this script
+  1. builds a synthetic corpus shaped like WMT14 en-de after joined BPE (lognormal sentence
+     lengths, mean ~29 subwords, tail to 250; Zipf token frequencies over a ~32k vocabulary),
+  2. binarises it with fairseq-preprocess,
+  3. runs fairseq-train for every variant and --max-tokens, two epochs each: epoch 1 sees every
+     batch shape for the first time ("unseen shapes"), epoch 2 repeats them ("steady state"),
+  4. prints a markdown table (wps unseen/steady, updates/s, peak memory, MFU, ls_/baseline ratio)
+     and writes it, with device, date, commit and command, to --markdown.
+
+Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy, adam),
+``baseline_nocudnn`` (the same with cuDNN SDPA disabled, the best baseline a careful user gets by
+a setting: no per-shape plan cost), ``ls`` (the ls_ twins). Same data, seed, hyperparameters
+(Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
+smoothing 0.1, shared embeddings), --fp16.
+
+    python bench/e2e.py --max-tokens 8192 --markdown $OUT/e2e.md --json $OUT/e2e.json
+
+MFU counts 1.27 GFLOP per target token (transformer big, forward + backward) against the
+measured dense fp16 matrix rate of the device (--peak-tflops, 800 on the H100 here).
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+FLOP_PER_TOKEN = 1.27e9
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+VARIANTS = {
+    "baseline": dict(arch="transformer_wmt_en_de_big_t2t", criterion="label_smoothed_cross_entropy",
+                     optimizer="adam", cudnn_sdpa=True),
+    "baseline_nocudnn": dict(arch="transformer_wmt_en_de_big_t2t",
+                             criterion="label_smoothed_cross_entropy", optimizer="adam",
+                             cudnn_sdpa=False),
+    "ls": dict(arch="ls_transformer_wmt_en_de_big_t2t", criterion="ls_label_smoothed_cross_entropy",
+               optimizer="ls_adam", cudnn_sdpa=True),
+}
+
+
+def make_corpus(workdir, sentences, vocab, seed=1):
+    """WMT14-like lengths and Zipf token frequencies, as fairseq-preprocess input text."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(workdir, exist_ok=True)
+    ranks = np.arange(1, vocab + 1, dtype=np.float64)
+    p = 1.0 / ranks**1.05
+    p /= p.sum()
+    for split, n in (("train", sentences), ("valid", 500)):
+        src_len = np.clip(np.round(rng.lognormal(mean=3.15, sigma=0.62, size=n)), 1, 250).astype(int)
+        tgt_len = np.clip(np.round(src_len * rng.normal(1.08, 0.15, size=n)), 1, 250).astype(int)
+        for side, lengths in (("en", src_len), ("de", tgt_len)):
+            tokens = rng.choice(vocab, size=int(lengths.sum()), p=p)
+            words = np.char.add("t", tokens.astype(str))
+            with open(os.path.join(workdir, f"{split}.{side}"), "w") as f:
+                start = 0
+                for length in lengths:
+                    f.write(" ".join(words[start:start + length]) + "\n")
+                    start += length
+    return float(src_len.mean())
+
+
+def preprocess(workdir, workers):
+    dest = os.path.join(workdir, "bin")
+    if os.path.exists(os.path.join(dest, "dict.en.txt")):
+        return dest
+    subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang",
+         "de", "--trainpref", os.path.join(workdir, "train"), "--validpref",
+         os.path.join(workdir, "valid"), "--destdir", dest, "--joined-dictionary",
+         "--workers", str(workers)],
+        check=True, capture_output=True,
+    )
+    return dest
+
+
+# Runs fairseq-train in this interpreter, then prints the peak allocated memory. Optional: switch
+# off cuDNN SDPA, and profile a window of steady-state updates (bench/profile_summary.py).
+WRAPPER = r"""
+import os, sys, atexit, torch
+if os.environ.get("BENCH_CUDNN_SDPA") == "0":
+    torch.backends.cuda.enable_cudnn_sdp(False)
+atexit.register(lambda: print("BENCH_PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True))
+if os.environ.get("BENCH_PROFILE_AT"):
+    sys.path.insert(0, os.environ["BENCH_HERE"])
+    import profile_summary
+    profile_summary.install(int(os.environ["BENCH_PROFILE_AT"]), int(os.environ.get("BENCH_PROFILE_STEPS", "5")),
+                            os.environ.get("BENCH_PROFILE_OUT"))
+from fairseq_cli.train import cli_main
+sys.argv[0] = "fairseq-train"
+cli_main()
+"""
+
+
+def train_cmd(data, variant, max_tokens, epochs, seed, extra):
+    v = VARIANTS[variant]
+    cmd = [
+        sys.executable, "-c", WRAPPER, data, "--arch", v["arch"], "--share-all-embeddings",
+        "--optimizer", v["optimizer"], "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+        "--lr", "7e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
+        "--warmup-init-lr", "1e-07", "--dropout", "0.3", "--weight-decay", "0.0",
+        "--criterion", v["criterion"], "--label-smoothing", "0.1", "--max-tokens", str(max_tokens),
+        "--fp16", "--seed", str(seed), "--max-epoch", str(epochs), "--no-save",
+        "--disable-validation", "--log-format", "json", "--log-interval", "10",
+        "--num-workers", "2", "--required-batch-size-multiple", "8",
+    ]
+    if v["arch"].startswith("ls_"):
+        cmd += ["--user-dir", os.path.join(ROOT, "ls_fairseq")]
+    return cmd + list(extra)
+
+
+def parse_log(text):
+    inner, epochs = [], {}
+    for m in re.finditer(r"\| (train_inner|train) \| (\{.*\})\s*$", text, re.M):
+        stats = json.loads(m.group(2))
+        if m.group(1) == "train_inner":
+            inner.append(stats)
+        else:  # end-of-epoch stats carry a "train_" prefix
+            stats = {k[len("train_"):] if k.startswith("train_") else k: v for k, v in stats.items()}
+            epochs[int(stats["epoch"])] = stats
+    peak = re.findall(r"BENCH_PEAK_BYTES (\d+)", text)
+    return inner, epochs, (int(peak[-1]) if peak else None)
+
+
+def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
+    env = dict(os.environ, BENCH_CUDNN_SDPA="1" if VARIANTS[variant]["cudnn_sdpa"] else "0",
+               BENCH_HERE=HERE, PYTHONUNBUFFERED="1")
+    if variant == "ls":
+        env.setdefault("LS_FAIRSEQ_KERNELS", "require")
+    if profile_at is not None:
+        env.update(BENCH_PROFILE_AT=str(profile_at),
+                   BENCH_PROFILE_OUT=os.path.join(log_dir, f"profile_{variant}_{max_tokens}.json"))
+    cmd = train_cmd(data, variant, max_tokens, args.epochs, args.seed, list(args.extra) + list(extra))
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.time() - start
+    log = proc.stdout + proc.stderr
+    tag = "profile" if profile_at is not None else "train"
+    with open(os.path.join(log_dir, f"{tag}_{variant}_{max_tokens}.log"), "w") as f:
+        f.write(log)
+    if proc.returncode != 0:
+        oom = "out of memory" in log.lower()
+        return {"variant": variant, "max_tokens": max_tokens, "error": "OOM" if oom else log[-1500:]}
+    inner, epochs, peak = parse_log(log)
+    if profile_at is not None:
+        found = re.findall(r"BENCH_PROFILE (\{.*\})", log)
+        return {"variant": variant, "max_tokens": max_tokens,
+                "profile": json.loads(found[-1]) if found else None}
+    row = {"variant": variant, "max_tokens": max_tokens, "wall_s": wall, "peak_gb": peak / 2**30 if peak else None}
+    for e, key in ((1, "unseen"), (2, "steady")):
+        if e in epochs:
+            row[f"wps_{key}"] = float(epochs[e]["wps"])
+            row[f"ups_{key}"] = float(epochs[e]["ups"])
+            row[f"updates_{key}"] = int(epochs[e]["num_updates"]) - (int(epochs[e - 1]["num_updates"]) if e > 1 else 0)
+    row["mfu_steady"] = row.get("wps_steady", 0) * FLOP_PER_TOKEN / (args.peak_tflops * 1e12)
+    row["loss_first"] = float(inner[0]["loss"]) if inner else None
+    row["loss_last"] = float(inner[-1]["loss"]) if inner else None
+    return row
+
+
+def fmt(x, spec):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(rows, baseline_key):
+    lines = ["| max-tokens | variant | wps unseen (epoch 1) | wps steady (epoch 2) | upd/s steady | "
+             "peak mem GB | MFU steady | ls_/best-baseline unseen | ls_/best-baseline steady | "
+             "mem ls_/baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    by_mt = {}
+    for r in rows:
+        by_mt.setdefault(r["max_tokens"], {})[r["variant"]] = r
+    for mt, group in sorted(by_mt.items()):
+        bases = [group[k] for k in ("baseline", "baseline_nocudnn") if k in group and "error" not in group[k]]
+        best_u = max((b.get("wps_unseen", 0) for b in bases), default=None)
+        best_s = max((b.get("wps_steady", 0) for b in bases), default=None)
+        base_mem = group.get(baseline_key, {}).get("peak_gb")
+        for name, r in group.items():
+            if "error" in r:
+                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | |")
+                continue
+            ratio_u = ratio_s = mem = None
+            if name == "ls" and best_u:
+                ratio_u = r.get("wps_unseen", 0) / best_u
+                ratio_s = r.get("wps_steady", 0) / best_s if best_s else None
+                mem = r["peak_gb"] / base_mem if base_mem and r.get("peak_gb") else None
+            lines.append(
+                f"| {mt} | {name} | {fmt(r.get('wps_unseen'), ',.0f')} | {fmt(r.get('wps_steady'), ',.0f')} | "
+                f"{fmt(r.get('ups_steady'), '.2f')} | {fmt(r.get('peak_gb'), '.1f')} | "
+                f"{fmt(r.get('mfu_steady'), '.1%')} | {fmt(ratio_u, '.2f')}× | {fmt(ratio_s, '.2f')}× | "
+                f"{fmt(mem, '.2f')} |".replace("–×", "–"))
+    return "\n".join(lines)
+
+
+def profile_markdown(profiles):
+    if not profiles:
+        return ""
+    lines = ["| variant | ms/update | GPU busy | GEMM | attention | other kernels | memcpy/set | "
+             "GPU idle | kernels/update |", "|---|---|---|---|---|---|---|---|---|"]
+    for p in profiles:
+        s = p.get("profile")
+        if not s:
+            lines.append(f"| {p['variant']} | (no profile: {p.get('error', '?')[:60]!r}) |||||||")
+            continue
+        c = s["ms_per_step_by_category"]
+        lines.append(f"| {p['variant']} | {s['wall_ms_per_step']:.1f} | {s['gpu_busy_ms_per_step']:.1f} | "
+                     f"{c['gemm']:.1f} | {c['attention']:.1f} | {c['other']:.1f} | "
+                     f"{c['memcpy/memset']:.1f} | {s['gpu_idle_ms_per_step']:.1f} | "
+                     f"{s['kernel_launches_per_step']:.0f} |")
+    for p in profiles:
+        if p.get("profile"):
+            lines.append(f"\nTop kernels, {p['variant']} (ms/update): " + "; ".join(
+                f"{n} {v:.2f}" for n, v in p["profile"]["top_kernels_ms_per_step"][:8]))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
+    ap.add_argument("--sentences", type=int, default=40000, help="training pairs (sets the epoch length)")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--variants", default="baseline,baseline_nocudnn,ls")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--peak-tflops", type=float, default=800.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 5 updates (from update 40) of baseline_nocudnn and ls at the "
+                         "first --max-tokens, in separate short runs")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("extra", nargs="*", help="extra fairseq-train flags (after --)")
+    args = ap.parse_args()
+
+    log_dir = args.log_dir or os.path.join(args.workdir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    t0 = time.time()
+    mean_len = make_corpus(args.workdir, args.sentences, args.vocab) if not os.path.exists(
+        os.path.join(args.workdir, "train.en")) else None
+    data = preprocess(args.workdir, args.workers)
+    print(f"corpus ready in {time.time() - t0:.0f}s (mean source length {mean_len})", flush=True)
+
+    rows = []
+    for mt in args.max_tokens:
+        for variant in args.variants.split(","):
+            r = run_variant(data, variant, mt, args, log_dir)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    profiles = []
+    if args.profile:
+        for variant in ("baseline_nocudnn", "ls"):
+            p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=40,
+                            extra=["--max-update", "46"])
+            profiles.append(p)
+            print(json.dumps(p), flush=True)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    table = markdown(rows, "baseline")
+    header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
+              f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n")
+    prof_md = profile_markdown(profiles)
+    print("\n" + header + "\n" + table + "\n\n" + prof_md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(header + "\n" + table + "\n\n" + prof_md + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "commit": commit, "rows": rows, "profiles": profiles}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
