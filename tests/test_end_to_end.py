@@ -114,6 +114,17 @@ def test_train_resume_generate(data_bin, tmp_path, arch, extra):
     assert "A-0" in out  # alignments come from the decoder's cross-attention weights
 
 
+def test_interactive_decodes_stdin(data_bin, tmp_path):
+    train(data_bin, tmp_path, "ls_transformer", ["--share-all-embeddings"], 20)
+    proc = subprocess.run(
+        fairseq_cli("interactive") + [str(data_bin), "--path", str(tmp_path / "checkpoint_last.pt"),
+                                      "--user-dir", USER_DIR, "--beam", "3", "--source-lang", "src",
+                                      "--target-lang", "tgt"],
+        input="w1 w2 w3\nw4 w5\n", capture_output=True, text=True, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == 2, proc.stdout[-2000:]
+
+
 def test_learns_and_matches_fairseq_loss_curve(data_bin, tmp_path):
     """Same data, seed, hyperparameters: the ls_ run's losses track the fairseq baseline's (same
     initial weights; dropout masks differ, so curves agree within noise, not bit for bit)."""
