@@ -78,6 +78,10 @@ class SelfAttention(nn.Module):
         bsz, tgt_len, _ = x.shape
         weight, bias = self.qkv_weight_and_bias()
         qkv = F.linear(x, weight, bias).view(bsz, tgt_len, 3, self.num_heads, self.head_dim)
+        if incremental_state is None and not need_weights:  # training: one packed op
+            ctx = ops.attention_packed(qkv, key_padding_mask, causal=causal,
+                                       dropout_p=self.dropout, training=self.training)
+            return F.linear(_merge_heads(ctx), self.out_proj.weight), None
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
         if incremental_state is not None:
             saved = self.get_incremental_state(incremental_state, "attn_state")

@@ -5,7 +5,7 @@ CUDA tensors and the kernels are available (see ``_extension``), and to its ``*_
 twin otherwise. The reference is the specification the CUDA path is tested against.
 """
 from .adam import adam_step, adam_step_reference
-from .attention import attention, attention_reference
+from .attention import attention, attention_packed, attention_reference
 from .bias_act_dropout import bias_act_dropout, bias_act_dropout_reference
 from .bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_reference
 from .cross_entropy import label_smoothed_cross_entropy, label_smoothed_cross_entropy_reference
@@ -16,6 +16,7 @@ __all__ = [
     "adam_step",
     "adam_step_reference",
     "attention",
+    "attention_packed",
     "attention_reference",
     "bias_act_dropout",
     "bias_act_dropout_reference",

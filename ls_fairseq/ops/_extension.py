@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "LS_FAIRSEQ_KERNELS"
 EXTENSION_NAME = "ls_fairseq_C"
 _MODES = ("auto", "require", "off")
+#: compiler flags of the JIT build (tests/test_csrc_compiles.py compiles csrc/ with the same ones)
+#: No -std flag: torch's cpp_extension adds the standard torch itself was built with (C++20 for
+#: torch >= 2.10); forcing another one mixes ABIs (seen: TORCH_CHECK messages crashing in ostream).
+CXX_FLAGS = ["-O3"]
+CUDA_FLAGS = ["-O3", "-lineinfo"]
 
 _lock = threading.Lock()
 _loaded = None  # None: not tried yet; True/False: result of the one build attempt
@@ -79,8 +84,8 @@ def _build():
         name=EXTENSION_NAME,
         sources=source_files(directory),
         extra_include_paths=[directory],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"] + _arch_flags(),
+        extra_cflags=list(CXX_FLAGS),
+        extra_cuda_cflags=CUDA_FLAGS + _arch_flags(),
         is_python_module=False,
         verbose=os.environ.get("LS_FAIRSEQ_VERBOSE_BUILD", "0") == "1",
     )

@@ -58,3 +58,20 @@ def attention(
 
         return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training), None
     return attention_reference(q, k, v, key_padding_mask, causal, dropout_p, training, need_weights)
+
+
+def attention_packed(
+    qkv, key_padding_mask=None, causal: bool = False, dropout_p: float = 0.0,
+    training: bool = False,
+):
+    """Self-attention over one packed projection ``qkv`` [B, T, 3, H, D] -> out [B, H, T, D].
+
+    Same math as ``attention(*qkv.permute(2, 0, 3, 1, 4), ...)``; the CUDA path reads q/k/v in
+    place and writes the gradient straight into d(qkv)'s layout (no stack of dq/dk/dv).
+    """
+    if _extension.use_kernels(qkv) and _extension.has_op("attention_fwd"):
+        from ._attention_cuda import attention_cuda_packed
+
+        return attention_cuda_packed(qkv, key_padding_mask, causal, dropout_p, training)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return attention_reference(q, k, v, key_padding_mask, causal, dropout_p, training)[0]

@@ -1,0 +1,264 @@
+"""CUDA attention for ``ls_fairseq.ops.attention``: two backends behind ``attention_cuda``.
+
+* ``efficient``: PyTorch's memory-efficient fused attention kernel (the CUTLASS kernel behind
+  ``SDPBackend.EFFICIENT_ATTENTION``), called through ``aten::_efficient_attention_forward`` /
+  ``_backward`` so that causal masking (bottom-right aligned, no mask tensor) and key padding (an
+  additive ``[B, Tk]`` bias broadcast with zero strides, never materialised per query) combine, q/k/v
+  are read in place from the strided ``[B, H, T, D]`` views of the projection output, and the
+  output comes back as ``[B, Tq, H, D]`` memory (so merging heads is a free view). No per-shape
+  planning (unlike cuDNN attention), no length cap, dropout from torch's Philox generator
+  (reproducible with ``torch.manual_seed``), fully-masked query rows give zeros.
+* ``softmax``: LightSeq-style: q·kᵀ and p·v as batched cuBLAS GEMMs (``torch.matmul``) around one
+  fused kernel for scale/mask/softmax(fp32 statistics)/dropout (``csrc/attention.cu``); backward
+  fuses softmax-grad and dropout-grad and regenerates the dropout mask from the Philox seed.
+  Handles every head size and row length (a template family over row-length buckets up to 1024
+  keys, a streaming kernel beyond).
+
+The default (``LS_FAIRSEQ_ATTENTION=auto``, or ``backend=None``) picks ``efficient`` wherever it
+applies and ``softmax`` otherwise (head sizes the fused kernel cannot take, causal masks with more
+queries than keys, empty sequences). Measured on H100 (docs/PERFORMANCE.md, "Attention (issue
+4)"): on the strided q/k/v the modules produce, ``efficient`` is faster in GPU and wall time at
+every shape up to 256 keys, within ~10 % beyond, with O(T) instead of O(T^2) memory and no
+per-shape planning. ``LS_FAIRSEQ_ATTENTION=efficient|softmax`` (or the ``backend`` argument)
+forces one backend where it applies.
+
+For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also writes the gradient
+straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
+"""
+import os
+
+import torch
+
+from . import _extension
+
+ENV_VAR = "LS_FAIRSEQ_ATTENTION"
+BACKENDS = ("auto", "efficient", "softmax")
+
+# aten's custom_mask_type values for the memory-efficient kernel
+_NO_MASK = 0
+_CAUSAL_BOTTOM_RIGHT = 2
+
+_fakes_registered = False
+
+
+def backend_setting() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={value!r} is not one of {', '.join(BACKENDS)}")
+    return value
+
+
+def _register_fakes():
+    """Fake (meta) kernels for the C++ ops, so torch.compile / opcheck can trace them."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+
+    @torch.library.register_fake("ls_fairseq::attention_fwd")
+    def _(q, k, v, key_padding_mask, causal, dropout_p, training):
+        b, h, tq, _ = q.shape
+        tk, dv = k.shape[2], v.shape[3]
+        return (
+            q.new_empty((b, h, tq, dv)),
+            q.new_empty((b, h, tq, tk)),
+            q.new_empty((2,), dtype=torch.long),
+        )
+
+    @torch.library.register_fake("ls_fairseq::attention_bwd")
+    def _(grad_out, q, k, v, probs, rng_state, dropout_p):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def efficient_supported(q, k, v, causal: bool) -> bool:
+    """True when PyTorch's memory-efficient kernel can run this problem exactly as specified."""
+    if not hasattr(torch.ops.aten, "_efficient_attention_forward"):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    head_dim, tq, tk = q.size(-1), q.size(-2), k.size(-2)
+    align = 4 if q.dtype == torch.float32 else 8
+    return (
+        v.size(-1) == head_dim
+        and head_dim % align == 0
+        and head_dim <= 256
+        and tq > 0
+        and tk > 0
+        and not (causal and tq > tk)  # rows that see no key: keep that corner in the softmax path
+        and q.size(0) <= 65535
+        and q.size(1) <= 65535
+    )
+
+
+def _validate(q, k, v, key_padding_mask):
+    """Shape/dtype checks in Python, so misuse raises here with a clear message."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention: q, k, v must be 4-D [B, H, T, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype \
+            or v.dtype != q.dtype:
+        raise TypeError(f"attention: q, k, v must share one dtype of float16/bfloat16/float32, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    b, h, _, d = q.shape
+    if k.shape[:2] != (b, h) or v.shape[:2] != (b, h) or k.size(3) != d or v.size(2) != k.size(2):
+        raise ValueError(f"attention: shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, k.size(2)):
+        raise ValueError(f"attention: key_padding_mask must be [B, Tk] = [{b}, {k.size(2)}], got "
+                         f"{tuple(key_padding_mask.shape)}")
+
+
+def _pick(backend, q, k, v, causal) -> str:
+    choice = backend_setting() if backend is None else backend
+    if choice not in BACKENDS:
+        raise ValueError(f"attention backend {choice!r} is not one of {', '.join(BACKENDS)}")
+    if choice in ("auto", "efficient") and efficient_supported(q, k, v, causal):
+        return "efficient"
+    return "softmax"
+
+
+def _padding_bias(key_padding_mask, heads: int, tq: int, dtype):
+    """Additive bias [B, H, Tq, Tk] (0 / -inf) as a zero-stride view of one [B, Tk] row per batch.
+
+    The row stride is rounded up to 16 elements, the alignment the kernel asks for (otherwise SDPA
+    would pad it with a copy)."""
+    b, tk = key_padding_mask.shape
+    width = (tk + 15) // 16 * 16
+    bias = torch.zeros((b, width), dtype=dtype, device=key_padding_mask.device)
+    bias[:, :tk].masked_fill_(key_padding_mask, float("-inf"))
+    return bias[:, None, None, :tk].expand(b, heads, tq, tk)
+
+
+class _EfficientAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask_type, dropout_p, scale):
+        # [B, H, T, D] views -> the kernel's [B, T, H, D] layout (free: strides only)
+        qt, kt, vt = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        qt, kt, vt = qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2)
+        need_grad = any(ctx.needs_input_grad[:3])
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            qt, kt, vt, bias, None, None, None, None, dropout_p, mask_type, need_grad, scale=scale
+        )
+        if need_grad:
+            ctx.save_for_backward(qt, kt, vt, bias, out, lse, seed, offset)
+        ctx.mask_type, ctx.dropout_p, ctx.scale = mask_type, dropout_p, scale
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qt, kt, vt, bias, out, lse, seed, offset = ctx.saved_tensors
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            grad.transpose(1, 2), qt, kt, vt, bias, out, None, None, qt.size(1), kt.size(1), lse,
+            ctx.dropout_p, seed, offset, ctx.mask_type, False, scale=ctx.scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
+
+
+class _SoftmaxAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, causal, dropout_p, training):
+        out, probs, rng = torch.ops.ls_fairseq.attention_fwd(
+            q, k, v, key_padding_mask, causal, dropout_p, training
+        )
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, probs, rng)
+        ctx.dropout_p = dropout_p if (training and dropout_p > 0.0) else 0.0
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, probs, rng = ctx.saved_tensors
+        dq, dk, dv = torch.ops.ls_fairseq.attention_bwd(grad, q, k, v, probs, rng, ctx.dropout_p)
+        return dq, dk, dv, None, None, None, None
+
+
+class _EfficientPackedSelfAttention(torch.autograd.Function):
+    """Self-attention straight from the packed projection output qkv [B, T, 3, H, D]: backward asks
+    the kernel for dq/dk/dv in one [B, T, 3, H, D] buffer (``shared_storage_dqdkdv``), which *is*
+    d(qkv), so no stack/copy of the three gradients follows."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, mask_type, dropout_p, scale):
+        q, k, v = qkv.unbind(2)  # [B, T, H, D] each: the kernel's own layout
+        need_grad = ctx.needs_input_grad[0]
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            q, k, v, bias, None, None, None, None, dropout_p, mask_type, need_grad, scale=scale
+        )
+        if need_grad:
+            ctx.save_for_backward(qkv, bias, out, lse, seed, offset)
+        ctx.mask_type, ctx.dropout_p, ctx.scale = mask_type, dropout_p, scale
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, bias, out, lse, seed, offset = ctx.saved_tensors
+        q, k, v = qkv.unbind(2)
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            grad.transpose(1, 2), q, k, v, bias, out, None, None, q.size(1), k.size(1), lse,
+            ctx.dropout_p, seed, offset, ctx.mask_type, False, scale=ctx.scale,
+            shared_storage_dqdkdv=True,
+        )
+        b, t, _, h, d = qkv.shape
+        strides = (t * 3 * h * d, 3 * h * d, h * d, d, 1)
+        item = dq.element_size()
+        if (
+            dq.stride() == (strides[0], strides[1], strides[3], 1)
+            and dk.data_ptr() == dq.data_ptr() + h * d * item
+            and dv.data_ptr() == dq.data_ptr() + 2 * h * d * item
+        ):
+            dqkv = dq.as_strided(qkv.shape, strides, dq.storage_offset())
+        else:  # another torch lays the gradients out differently: pack them
+            dqkv = torch.stack((dq, dk, dv), 2)
+        return dqkv, None, None, None, None
+
+
+def attention_cuda_packed(
+    qkv, key_padding_mask=None, causal: bool = False, dropout_p: float = 0.0,
+    training: bool = False, backend=None,
+):
+    """Self-attention over the packed projection ``qkv`` [B, T, 3, H, D] (last dim contiguous), as
+    ``attention_cuda(*qkv.permute(2, 0, 3, 1, 4), ...)`` but with the gradient written straight
+    into d(qkv)'s layout. Returns out [B, H, T, D]."""
+    if qkv.dim() != 5 or qkv.size(2) != 3:
+        raise ValueError(f"attention_cuda_packed: qkv must be [B, T, 3, H, D], got {tuple(qkv.shape)}")
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    _validate(q, k, v, key_padding_mask)
+    if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    causal = bool(causal)
+    if qkv.stride(-1) != 1 or _pick(backend, q, k, v, causal) != "efficient":
+        return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training, backend)
+    t = qkv.size(1)
+    bias = None
+    if key_padding_mask is not None:
+        bias = _padding_bias(key_padding_mask, qkv.size(3), t, qkv.dtype)
+    mask_type = _CAUSAL_BOTTOM_RIGHT if (causal and t > 1) else _NO_MASK
+    p = float(dropout_p) if training else 0.0
+    return _EfficientPackedSelfAttention.apply(qkv, bias, mask_type, p, qkv.size(-1) ** -0.5)
+
+
+def attention_cuda(
+    q, k, v, key_padding_mask=None, causal: bool = False, dropout_p: float = 0.0,
+    training: bool = False, backend=None,
+):
+    """Attention of ``q`` [B, H, Tq, D] over ``k``/``v`` [B, H, Tk, D]; returns out [B, H, Tq, D].
+
+    Same contract as ``ls_fairseq.ops.attention.attention_reference`` (without ``need_weights``).
+    ``backend``: None (from ``LS_FAIRSEQ_ATTENTION``, default ``auto``), ``"auto"``,
+    ``"efficient"`` or ``"softmax"``; an ``efficient`` request that the kernel cannot serve
+    runs ``softmax``."""
+    _validate(q, k, v, key_padding_mask)
+    if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    p = float(dropout_p) if training else 0.0
+    causal = bool(causal)
+    if _pick(backend, q, k, v, causal) == "efficient":
+        tq, tk = q.size(-2), k.size(-2)
+        bias = None
+        if key_padding_mask is not None:
+            bias = _padding_bias(key_padding_mask, q.size(1), tq, q.dtype)
+        # a single query (incremental decoding) sees every cached key: no causal mask needed
+        mask_type = _CAUSAL_BOTTOM_RIGHT if (causal and tq > 1) else _NO_MASK
+        return _EfficientAttention.apply(q, k, v, bias, mask_type, p, q.size(-1) ** -0.5)
+    _register_fakes()
+    return _SoftmaxAttention.apply(q, k, v, key_padding_mask, causal, p, bool(training))
