@@ -12,7 +12,9 @@ few keyword extensions, all optional:
 * ``moment_scales``: a float32 CUDA tensor ``[n, 2]`` (column 0 scales ``exp_avgs``, column 1
   ``exp_avg_sqs``) for fp16 moments stored as ``true / scale`` (fairseq's ``--fp16-adam-stats``
   rule: after the step ``scale = 1e-8 + max|moment| / 65504``). Updated in place. This variant
-  runs a statistics pass (new moment maxima) before the update pass: two launches.
+  runs a statistics pass (new moment maxima) before the update pass: two launches. With
+  ``shared_moment_scale`` all rows are one state tensor cut into views (fairseq's flat fp32
+  master): the maximum, and so the new scale, is taken over all of them.
 
 All tensors of one dtype combination are updated by one kernel launch, whatever their number and
 sizes. Returns ``found_inf``, an int32 CUDA tensor that is 1 when some scaled gradient was inf/NaN;
@@ -53,6 +55,7 @@ def adam_step_cuda(
     grad_scale=1.0,
     model_copies: Optional[Sequence[torch.Tensor]] = None,
     moment_scales: Optional[torch.Tensor] = None,
+    shared_moment_scale: bool = False,
     found_inf: Optional[torch.Tensor] = None,
 ):
     n = len(params)
@@ -87,6 +90,9 @@ def adam_step_cuda(
             key = "fallback"
         groups.setdefault(key, []).append(i)
 
+    if shared_moment_scale and (len(groups) > 1 or "fallback" in groups):
+        raise ValueError("adam_step: shared_moment_scale needs contiguous tensors of one "
+                         "supported dtype combination")
     for key, idx in groups.items():
         if key == "fallback":
             _fallback(params, grads, exp_avgs, exp_avg_sqs, idx, model_copies, moment_scales,
@@ -108,7 +114,9 @@ def adam_step_cuda(
             maxima = torch.zeros(len(idx), 2, dtype=torch.float32, device=device)
             torch.ops.ls_fairseq.multi_tensor_adam_moment_max(
                 ps, gs, ms, vs, scale_t, m_sc, v_sc, found_inf, maxima, beta1, beta2, scale_f)
-            new = maxima.div_(FP16_MAX).add_(1e-8)  # fairseq FusedAdamV1's rule
+            if shared_moment_scale:
+                maxima = maxima.amax(0, keepdim=True).expand(len(idx), 2)
+            new = maxima / FP16_MAX + 1e-8  # fairseq FusedAdamV1's rule
             m_sc[:, 1] = new[:, 0]
             v_sc[:, 1] = new[:, 1]
         torch.ops.ls_fairseq.multi_tensor_adam(

@@ -1,0 +1,743 @@
+// Fused elementwise tails of the Transformer sublayers (ls_fairseq, issue 3).
+//
+//   bias_dropout_residual:  out = residual + dropout(x + bias)
+//   bias_act_dropout:       out = dropout(act(x + bias)),  act = relu | gelu (exact erf, as fairseq)
+//
+// Layout: x, residual, out are [rows, C] (any leading shape, contiguous); bias is [C].
+// Storage float32/float16/bfloat16, math in float32.
+//
+// Dropout: Philox4x32-10 keyed by the seed of torch's CUDA generator.  Element (r, c) uses
+// 32-bit word (c % 4) of the Philox block at counter {offset / 4, r * ceil(C / 4) + c / 4}, so the
+// mask depends only on (seed, offset, r, c) and never on the launch configuration.  The forward
+// writes (seed, offset) into a small int64[2] device tensor that the backward reads, so the
+// backward regenerates the mask instead of storing it (0 bytes instead of >= 1 bit per element)
+// and the scheme stays valid under CUDA graph capture (unpack reads the captured seed/offset).
+// An element is kept when its word >= floor(p * 2^32); kept values are scaled by 1 / (1 - p).
+//
+// Threads: block (32, 8).  threadIdx.x walks column chunks of W elements (one 16-byte vector when
+// C allows it, else 4 scalars with a bounds check), threadIdx.y and blockIdx.y stride over rows.
+// The bias gradient is a per-thread column sum, reduced across the block in shared memory and
+// written as per-block partials [gridDim.y, C]; a second kernel sums them in a fixed order
+// (deterministic, no atomics).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+namespace {
+
+// Error messages are built with std::to_string / std::string only and handed to TORCH_CHECK as
+// one string: formatting numbers through std::ostream inside this extension crashed (SIGSEGV in
+// basic_ostream::_M_insert<long>) on the GPU machine, whose toolchain puts a second copy of
+// libstdc++'s stream code into the extension. TORCH_CHECK with a single std::string argument
+// does no stream formatting here.
+inline void lsf_append(std::string& s, const char* v) { s += v; }
+inline void lsf_append(std::string& s, const std::string& v) { s += v; }
+inline void lsf_append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+inline void lsf_append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+inline void lsf_append(std::string& s, double v) { s += std::to_string(v); }
+template <typename I, typename std::enable_if<std::is_integral<I>::value, int>::type = 0>
+inline void lsf_append(std::string& s, I v) {
+  s += std::to_string(v);
+}
+template <typename... A>
+std::string lsf_message(const A&... a) {
+  std::string s;
+  (lsf_append(s, a), ...);
+  return s;
+}
+#define LSF_CHECK(cond, ...) TORCH_CHECK(cond, lsf_message(__VA_ARGS__))
+
+constexpr int kLanes = 32;
+constexpr int kRowThreads = 8;
+
+// ---------------------------------------------------------------- dtype helpers
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// Columns handled by one thread: one 16-byte vector, or 4 scalars (one Philox block).
+template <int VEC>
+struct Chunk {
+  static constexpr int W = VEC >= 4 ? VEC : 4;
+};
+
+// Load W elements starting at column col0 of row p (p already points at the row start).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ p, int64_t col0, int64_t C,
+                                           float (&out)[Chunk<VEC>::W]) {
+  constexpr int W = Chunk<VEC>::W;
+  if constexpr (VEC == W) {
+    const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p + col0);
+#pragma unroll
+    for (int i = 0; i < W; ++i) out[i] = to_float(pk.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) out[i] = (col0 + i < C) ? to_float(p[col0 + i]) : 0.f;
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_chunk(T* __restrict__ p, int64_t col0, int64_t C,
+                                            const float (&in)[Chunk<VEC>::W]) {
+  constexpr int W = Chunk<VEC>::W;
+  if constexpr (VEC == W) {
+    Pack<T, VEC> pk;
+#pragma unroll
+    for (int i = 0; i < W; ++i) pk.v[i] = from_float<T>(in[i]);
+    *reinterpret_cast<Pack<T, VEC>*>(p + col0) = pk;
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i)
+      if (col0 + i < C) p[col0 + i] = from_float<T>(in[i]);
+  }
+}
+
+// ---------------------------------------------------------------- Philox4x32-10
+__device__ __forceinline__ uint4 philox4x32_10(uint64_t seed, uint64_t subsequence,
+                                               uint64_t counter) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
+  uint32_t c2 = static_cast<uint32_t>(subsequence), c3 = static_cast<uint32_t>(subsequence >> 32);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// keep[i] for the W columns starting at col0 (a multiple of 4) of row `row`.
+template <int W>
+__device__ __forceinline__ void keep_mask(uint64_t seed, uint64_t offset, int64_t row,
+                                          int64_t col0, int64_t C, uint32_t threshold,
+                                          bool (&keep)[W]) {
+  const uint64_t group0 =
+      static_cast<uint64_t>(row) * static_cast<uint64_t>((C + 3) / 4) + static_cast<uint64_t>(col0 / 4);
+#pragma unroll
+  for (int q = 0; q < W / 4; ++q) {
+    const uint4 r = philox4x32_10(seed, group0 + q, offset / 4);
+    keep[4 * q + 0] = r.x >= threshold;
+    keep[4 * q + 1] = r.y >= threshold;
+    keep[4 * q + 2] = r.z >= threshold;
+    keep[4 * q + 3] = r.w >= threshold;
+  }
+}
+
+struct DropoutArgs {
+  bool enabled;
+  uint32_t threshold;  // keep when word >= threshold
+  float scale;         // 1 / (1 - p), 0 when p == 1
+};
+
+DropoutArgs make_dropout(double p, bool train) {
+  LSF_CHECK(p >= 0.0 && p <= 1.0, "ls_fairseq dropout: p must be in [0, 1], got ", p);
+  DropoutArgs d{train && p > 0.0, 0u, 1.f};
+  if (d.enabled) {
+    const double t = std::floor(p * 4294967296.0);
+    d.threshold = t >= 4294967295.0 ? 4294967295u : static_cast<uint32_t>(t);
+    d.scale = p < 1.0 ? static_cast<float>(1.0 / (1.0 - p)) : 0.f;
+  }
+  return d;
+}
+
+at::PhiloxCudaState next_philox(const at::Tensor& like) {
+  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(like.get_device()));
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  // Each (row, column-group) subsequence draws one Philox block of 4 words per call.
+  return gen->philox_cuda_state(4);
+}
+
+__device__ __forceinline__ void unpack_seed(const at::PhiloxCudaState& st, bool enabled,
+                                            uint64_t& seed, uint64_t& offset) {
+  seed = 0;
+  offset = 0;
+  if (enabled) {
+    auto so = at::cuda::philox::unpack(st);
+    seed = std::get<0>(so);
+    offset = std::get<1>(so);
+  }
+}
+
+// ---------------------------------------------------------------- activations
+enum Act : int { kRelu = 0, kGelu = 1 };
+
+template <int ACT>
+__device__ __forceinline__ float act_fwd(float h) {
+  if constexpr (ACT == kRelu) {
+    return h > 0.f ? h : 0.f;
+  } else {
+    return 0.5f * h * (1.f + erff(h * 0.70710678118654752f));
+  }
+}
+
+template <int ACT>
+__device__ __forceinline__ float act_grad(float h) {
+  if constexpr (ACT == kRelu) {
+    return h > 0.f ? 1.f : 0.f;
+  } else {
+    const float cdf = 0.5f * (1.f + erff(h * 0.70710678118654752f));
+    const float pdf = 0.39894228040143268f * expf(-0.5f * h * h);
+    return cdf + h * pdf;
+  }
+}
+
+int act_code(const std::string& name) {
+  if (name == "relu") return kRelu;
+  if (name == "gelu") return kGelu;
+  LSF_CHECK(false, "ls_fairseq bias_act_dropout: activation must be 'relu' or 'gelu', got '", name,
+              "'");
+  return -1;
+}
+
+// ---------------------------------------------------------------- launch helpers
+int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cached[device] = n;
+  return n;
+}
+
+template <typename Kernel>
+dim3 grid_for(Kernel kernel, int64_t rows, int64_t units, int device) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                               kLanes * kRowThreads, 0));
+  const int64_t gx = (units + kLanes - 1) / kLanes;
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
+  int64_t gy = std::max<int64_t>(1, resident / std::max<int64_t>(gx, 1));
+  gy = std::min<int64_t>(gy, (rows + kRowThreads - 1) / kRowThreads);
+  gy = std::max<int64_t>(1, std::min<int64_t>(gy, 65535));
+  LSF_CHECK(gx <= 2147483647, "ls_fairseq: hidden size too large");
+  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1);
+}
+
+template <typename T>
+bool aligned16(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Sum of per-block column partials [chunks, C] (float) into out [C] (T). Block (32, 32):
+// threadIdx.x picks the column, threadIdx.y a strided subset of the chunks; the 32 subtotals are
+// added in a fixed order (deterministic).
+template <typename T>
+__global__ void __launch_bounds__(1024)
+    column_sum_kernel(const float* __restrict__ partial, int64_t chunks, int64_t C,
+                      T* __restrict__ out) {
+  __shared__ float sub[32][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (c < C) {
+#pragma unroll 4
+    for (int64_t k = threadIdx.y; k < chunks; k += 32) s += partial[k * C + c];
+  }
+  sub[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) t += sub[q][threadIdx.x];
+    out[c] = from_float<T>(t);
+  }
+}
+
+// Block-reduce the per-thread column sums acc[W] over threadIdx.y and write one partial row.
+template <int W>
+__device__ __forceinline__ void write_partial(const float (&acc)[W], float* __restrict__ partial,
+                                              int64_t C) {
+  __shared__ float smem[kRowThreads][W * kLanes];
+#pragma unroll
+  for (int i = 0; i < W; ++i) smem[threadIdx.y][i * kLanes + threadIdx.x] = acc[i];
+  __syncthreads();
+  const int tid = threadIdx.y * kLanes + threadIdx.x;
+  for (int e = tid; e < W * kLanes; e += kLanes * kRowThreads) {
+    const int i = e / kLanes, lane = e % kLanes;
+    float s = 0.f;
+#pragma unroll
+    for (int y = 0; y < kRowThreads; ++y) s += smem[y][e];
+    const int64_t col = (static_cast<int64_t>(blockIdx.x) * kLanes + lane) * W + i;
+    if (col < C) partial[static_cast<int64_t>(blockIdx.y) * C + col] = s;
+  }
+}
+
+#define LSF_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                              \
+  [&] {                                                                                         \
+    switch (DTYPE) {                                                                            \
+      case at::ScalarType::Float: {                                                             \
+        using T = float;                                                                        \
+        return __VA_ARGS__();                                                                   \
+      }                                                                                         \
+      case at::ScalarType::Half: {                                                              \
+        using T = __half;                                                                       \
+        return __VA_ARGS__();                                                                   \
+      }                                                                                         \
+      case at::ScalarType::BFloat16: {                                                          \
+        using T = __nv_bfloat16;                                                                \
+        return __VA_ARGS__();                                                                   \
+      }                                                                                         \
+      default:                                                                                  \
+        LSF_CHECK(false, NAME, ": unsupported dtype ", DTYPE,                                 \
+                    " (expected float32, float16 or bfloat16)");                                \
+    }                                                                                           \
+  }()
+
+// ================================================================ bias + dropout + residual
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLanes* kRowThreads)
+    bdr_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ res,
+                   T* __restrict__ out, int64_t rows, int64_t C, DropoutArgs drop,
+                   at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
+  constexpr int W = Chunk<VEC>::W;
+  uint64_t seed, offset;
+  unpack_seed(philox, drop.enabled, seed, offset);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    rng_out[0] = static_cast<int64_t>(seed);
+    rng_out[1] = static_cast<int64_t>(offset);
+  }
+  const int64_t units = (C + W - 1) / W;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
+  if (unit >= units) return;
+  const int64_t col0 = unit * W;
+  float b[W];
+  if (bias != nullptr) {
+    load_chunk<T, VEC>(bias, col0, C, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) b[i] = 0.f;
+  }
+  for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
+       row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
+    float xv[W], rv[W], o[W];
+    load_chunk<T, VEC>(x + row * C, col0, C, xv);
+    load_chunk<T, VEC>(res + row * C, col0, C, rv);
+    if (drop.enabled) {
+      bool keep[W];
+      keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+      for (int i = 0; i < W; ++i) o[i] = rv[i] + (keep[i] ? (xv[i] + b[i]) * drop.scale : 0.f);
+    } else {
+#pragma unroll
+      for (int i = 0; i < W; ++i) o[i] = rv[i] + (xv[i] + b[i]);
+    }
+    store_chunk<T, VEC>(out + row * C, col0, C, o);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLanes* kRowThreads)
+    bdr_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial,
+                   int64_t rows, int64_t C, DropoutArgs drop, const int64_t* __restrict__ rng) {
+  constexpr int W = Chunk<VEC>::W;
+  const int64_t units = (C + W - 1) / W;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
+  const int64_t col0 = unit * W;
+  float acc[W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) acc[i] = 0.f;
+  if (unit < units) {
+    const uint64_t seed = drop.enabled ? static_cast<uint64_t>(rng[0]) : 0;
+    const uint64_t offset = drop.enabled ? static_cast<uint64_t>(rng[1]) : 0;
+    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
+         row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
+      float g[W];
+      load_chunk<T, VEC>(grad + row * C, col0, C, g);
+      if (drop.enabled) {
+        bool keep[W];
+        keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+        for (int i = 0; i < W; ++i) g[i] = keep[i] ? g[i] * drop.scale : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < W; ++i) acc[i] += g[i];
+      store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
+    }
+  }
+  if (partial != nullptr) write_partial<W>(acc, partial, C);
+}
+
+// ================================================================ bias + activation + dropout
+template <typename T, int VEC, int ACT>
+__global__ void __launch_bounds__(kLanes* kRowThreads)
+    bad_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ out,
+                   int64_t rows, int64_t C, DropoutArgs drop, at::PhiloxCudaState philox,
+                   int64_t* __restrict__ rng_out) {
+  constexpr int W = Chunk<VEC>::W;
+  uint64_t seed, offset;
+  unpack_seed(philox, drop.enabled, seed, offset);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    rng_out[0] = static_cast<int64_t>(seed);
+    rng_out[1] = static_cast<int64_t>(offset);
+  }
+  const int64_t units = (C + W - 1) / W;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
+  if (unit >= units) return;
+  const int64_t col0 = unit * W;
+  float b[W];
+  if (bias != nullptr) {
+    load_chunk<T, VEC>(bias, col0, C, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) b[i] = 0.f;
+  }
+  for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
+       row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
+    float v[W];
+    load_chunk<T, VEC>(x + row * C, col0, C, v);
+#pragma unroll
+    for (int i = 0; i < W; ++i) v[i] = act_fwd<ACT>(v[i] + b[i]);
+    if (drop.enabled) {
+      bool keep[W];
+      keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+      for (int i = 0; i < W; ++i) v[i] = keep[i] ? v[i] * drop.scale : 0.f;
+    }
+    store_chunk<T, VEC>(out + row * C, col0, C, v);
+  }
+}
+
+template <typename T, int VEC, int ACT>
+__global__ void __launch_bounds__(kLanes* kRowThreads)
+    bad_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const T* __restrict__ bias,
+                   T* __restrict__ grad_x, float* __restrict__ partial, int64_t rows, int64_t C,
+                   DropoutArgs drop, const int64_t* __restrict__ rng) {
+  constexpr int W = Chunk<VEC>::W;
+  const int64_t units = (C + W - 1) / W;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
+  const int64_t col0 = unit * W;
+  float acc[W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) acc[i] = 0.f;
+  if (unit < units) {
+    const uint64_t seed = drop.enabled ? static_cast<uint64_t>(rng[0]) : 0;
+    const uint64_t offset = drop.enabled ? static_cast<uint64_t>(rng[1]) : 0;
+    float b[W];
+    if (bias != nullptr) {
+      load_chunk<T, VEC>(bias, col0, C, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < W; ++i) b[i] = 0.f;
+    }
+    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
+         row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
+      float g[W], h[W];
+      load_chunk<T, VEC>(grad + row * C, col0, C, g);
+      load_chunk<T, VEC>(x + row * C, col0, C, h);
+      if (drop.enabled) {
+        bool keep[W];
+        keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+        for (int i = 0; i < W; ++i) g[i] = keep[i] ? g[i] * drop.scale : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        g[i] *= act_grad<ACT>(h[i] + b[i]);
+        acc[i] += g[i];
+      }
+      store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
+    }
+  }
+  if (partial != nullptr) write_partial<W>(acc, partial, C);
+}
+
+// ================================================================ host side
+struct Geometry {
+  int64_t C;
+  int64_t rows;
+};
+
+Geometry geometry(const at::Tensor& x, const char* name) {
+  LSF_CHECK(x.is_cuda(), name, ": expected a CUDA tensor");
+  LSF_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, ": expected a tensor [..., C] with C > 0, got shape ",
+              x.sizes());
+  const int64_t C = x.size(-1);
+  return {C, x.numel() / C};
+}
+
+void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x, int64_t C,
+                const char* name) {
+  if (!bias.has_value()) return;
+  LSF_CHECK(bias->is_cuda() && bias->device() == x.device(), name,
+              ": bias must be on the same CUDA device as x");
+  LSF_CHECK(bias->numel() == C, name, ": bias must have C = ", C, " elements, got shape ",
+              bias->sizes());
+  LSF_CHECK(bias->scalar_type() == x.scalar_type(), name, ": bias dtype ", bias->scalar_type(),
+              " differs from x dtype ", x.scalar_type());
+}
+
+template <typename T>
+bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
+  constexpr int V = 16 / sizeof(T);
+  if (C % V != 0) return false;
+  for (const void* p : ptrs)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+at::Tensor finish_bias_grad(const at::Tensor& partial, int64_t C, const at::Tensor& like,
+                            cudaStream_t stream) {
+  auto out = at::empty({C}, like.options());
+  LSF_DISPATCH_FLOAT_TYPES(like.scalar_type(), "ls_fairseq bias grad", [&] {
+    column_sum_kernel<T><<<static_cast<unsigned>((C + 31) / 32), dim3(32, 32), 0, stream>>>(
+        partial.data_ptr<float>(), partial.size(0), C, reinterpret_cast<T*>(out.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_fwd(const at::Tensor& x_in,
+                                                             const std::optional<at::Tensor>& bias_in,
+                                                             const at::Tensor& residual_in,
+                                                             double p, bool train) {
+  const char* name = "ls_fairseq bias_dropout_residual_fwd";
+  const auto g = geometry(x_in, name);
+  check_bias(bias_in, x_in, g.C, name);
+  LSF_CHECK(residual_in.sizes() == x_in.sizes(), name, ": residual shape ", residual_in.sizes(),
+              " differs from x shape ", x_in.sizes());
+  LSF_CHECK(residual_in.scalar_type() == x_in.scalar_type() && residual_in.device() == x_in.device(),
+              name, ": residual must have the dtype and device of x");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous();
+  const auto res = residual_in.contiguous();
+  std::optional<at::Tensor> bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const DropoutArgs drop = make_dropout(p, train);
+  // Written by the kernel (seed, offset; zeros without dropout).
+  auto rng = g.rows == 0 ? at::zeros({2}, x.options().dtype(at::kLong))
+                         : at::empty({2}, x.options().dtype(at::kLong));
+  if (g.rows == 0) return {out, rng};
+  at::PhiloxCudaState philox;
+  if (drop.enabled) philox = next_philox(x);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = x.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(x.scalar_type(), name, [&] {
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* rp = reinterpret_cast<const T*>(res.data_ptr());
+    const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    auto launch = [&](auto kernel, int W) {
+      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(xp, bp, rp, op, g.rows, g.C, drop,
+                                                             philox, rng.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int V = 16 / sizeof(T);
+    if (use_vec<T>(g.C, {xp, rp, bp, op})) {
+      launch(bdr_fwd_kernel<T, V>, Chunk<V>::W);
+    } else {
+      launch(bdr_fwd_kernel<T, 1>, Chunk<1>::W);
+    }
+  });
+  return {out, rng};
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_bwd(const at::Tensor& grad_in,
+                                                             const at::Tensor& rng, double p,
+                                                             bool train, bool bias_grad) {
+  const char* name = "ls_fairseq bias_dropout_residual_bwd";
+  const auto g = geometry(grad_in, name);
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const DropoutArgs drop = make_dropout(p, train);
+  LSF_CHECK(!drop.enabled || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
+                                rng.device() == grad_in.device()),
+              name, ": rng must be the int64[2] tensor returned by the forward");
+  const auto grad = grad_in.contiguous();
+  auto grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor grad_bias = bias_grad ? at::Tensor() : at::empty({0}, grad.options());
+  if (g.rows == 0) {
+    if (bias_grad) grad_bias = at::zeros({g.C}, grad.options());
+    return {grad_x, grad_bias};
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = grad.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
+    const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
+    T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
+    auto launch = [&](auto kernel, int W) {
+      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      at::Tensor partial;
+      if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
+      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
+          gp, gxp, bias_grad ? partial.data_ptr<float>() : nullptr, g.rows, g.C, drop,
+          drop.enabled ? rng.data_ptr<int64_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (bias_grad) grad_bias = finish_bias_grad(partial, g.C, grad, stream);
+    };
+    constexpr int V = 16 / sizeof(T);
+    if (use_vec<T>(g.C, {gp, gxp})) {
+      launch(bdr_bwd_kernel<T, V>, Chunk<V>::W);
+    } else {
+      launch(bdr_bwd_kernel<T, 1>, Chunk<1>::W);
+    }
+  });
+  return {grad_x, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_act_dropout_fwd(const at::Tensor& x_in,
+                                                        const std::optional<at::Tensor>& bias_in,
+                                                        c10::string_view activation, double p,
+                                                        bool train) {
+  const char* name = "ls_fairseq bias_act_dropout_fwd";
+  const auto g = geometry(x_in, name);
+  check_bias(bias_in, x_in, g.C, name);
+  const int act = act_code(std::string(activation));
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous();
+  std::optional<at::Tensor> bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const DropoutArgs drop = make_dropout(p, train);
+  // Written by the kernel (seed, offset; zeros without dropout).
+  auto rng = g.rows == 0 ? at::zeros({2}, x.options().dtype(at::kLong))
+                         : at::empty({2}, x.options().dtype(at::kLong));
+  if (g.rows == 0) return {out, rng};
+  at::PhiloxCudaState philox;
+  if (drop.enabled) philox = next_philox(x);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = x.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(x.scalar_type(), name, [&] {
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    auto launch = [&](auto kernel, int W) {
+      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(xp, bp, op, g.rows, g.C, drop, philox,
+                                                             rng.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = use_vec<T>(g.C, {xp, bp, op});
+    if (act == kRelu) {
+      if (vec) launch(bad_fwd_kernel<T, V, kRelu>, Chunk<V>::W);
+      else launch(bad_fwd_kernel<T, 1, kRelu>, Chunk<1>::W);
+    } else {
+      if (vec) launch(bad_fwd_kernel<T, V, kGelu>, Chunk<V>::W);
+      else launch(bad_fwd_kernel<T, 1, kGelu>, Chunk<1>::W);
+    }
+  });
+  return {out, rng};
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_in,
+                                                        const at::Tensor& x_in,
+                                                        const std::optional<at::Tensor>& bias_in,
+                                                        const at::Tensor& rng,
+                                                        c10::string_view activation, double p,
+                                                        bool train, bool bias_grad) {
+  const char* name = "ls_fairseq bias_act_dropout_bwd";
+  const auto g = geometry(grad_in, name);
+  LSF_CHECK(x_in.sizes() == grad_in.sizes() && x_in.scalar_type() == grad_in.scalar_type() &&
+                  x_in.device() == grad_in.device(),
+              name, ": x must have the shape, dtype and device of grad");
+  check_bias(bias_in, x_in, g.C, name);
+  const int act = act_code(std::string(activation));
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const DropoutArgs drop = make_dropout(p, train);
+  LSF_CHECK(!drop.enabled || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
+                                rng.device() == grad_in.device()),
+              name, ": rng must be the int64[2] tensor returned by the forward");
+  const auto grad = grad_in.contiguous();
+  const auto x = x_in.contiguous();
+  std::optional<at::Tensor> bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor grad_bias = bias_grad ? at::Tensor() : at::empty({0}, grad.options());
+  if (g.rows == 0) {
+    if (bias_grad) grad_bias = at::zeros({g.C}, grad.options());
+    return {grad_x, grad_bias};
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = grad.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
+    const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+    T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
+    auto launch = [&](auto kernel, int W) {
+      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      at::Tensor partial;
+      if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
+      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
+          gp, xp, bp, gxp, bias_grad ? partial.data_ptr<float>() : nullptr, g.rows, g.C, drop,
+          drop.enabled ? rng.data_ptr<int64_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (bias_grad) grad_bias = finish_bias_grad(partial, g.C, grad, stream);
+    };
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = use_vec<T>(g.C, {gp, xp, bp, gxp});
+    if (act == kRelu) {
+      if (vec) launch(bad_bwd_kernel<T, V, kRelu>, Chunk<V>::W);
+      else launch(bad_bwd_kernel<T, 1, kRelu>, Chunk<1>::W);
+    } else {
+      if (vec) launch(bad_bwd_kernel<T, V, kGelu>, Chunk<V>::W);
+      else launch(bad_bwd_kernel<T, 1, kGelu>, Chunk<1>::W);
+    }
+  });
+  return {grad_x, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
+  m.def("bias_dropout_residual_fwd(Tensor x, Tensor? bias, Tensor residual, float p, bool train) "
+        "-> (Tensor, Tensor)",
+        {at::Tag::nondeterministic_seeded});
+  m.def("bias_dropout_residual_bwd(Tensor grad, Tensor rng, float p, bool train, bool bias_grad) "
+        "-> (Tensor, Tensor)");
+  m.def("bias_act_dropout_fwd(Tensor x, Tensor? bias, str activation, float p, bool train) "
+        "-> (Tensor, Tensor)",
+        {at::Tag::nondeterministic_seeded});
+  m.def("bias_act_dropout_bwd(Tensor grad, Tensor x, Tensor? bias, Tensor rng, str activation, "
+        "float p, bool train, bool bias_grad) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
+  m.impl("bias_dropout_residual_fwd", &bias_dropout_residual_fwd);
+  m.impl("bias_dropout_residual_bwd", &bias_dropout_residual_bwd);
+  m.impl("bias_act_dropout_fwd", &bias_act_dropout_fwd);
+  m.impl("bias_act_dropout_bwd", &bias_act_dropout_bwd);
+}

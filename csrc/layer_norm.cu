@@ -1,0 +1,728 @@
+// LayerNorm over the last dimension (ls_fairseq, issue 3): y = (x - mean) * rstd * w + b.
+//
+// Storage float32/float16/bfloat16, math in float32, eps from the caller (fairseq: 1e-5).
+//
+// Statistics are one pass over the row with shifted sums: with K = x[row, 0],
+//   mean = K + sum(x - K) / C,  var = sum((x - K)^2) / C - (sum(x - K) / C)^2,
+// which keeps the mean-of-squares rewrite (both sums in one sweep and one reduction) but removes
+// its cancellation when |mean| >> std: K is a sample of the row, so x - K is of the order of std.
+//
+// Backward: with xhat = (x - mean) * rstd and d = grad * w,
+//   dx = rstd * (d - mean(d) - xhat * mean(d * xhat)),  dw = sum_rows grad * xhat,  db = sum_rows grad.
+// Invertible mode (as DeepSpeed's normalize_invertible) rebuilds xhat = (y - b) / w from the
+// output, so the caller may keep y instead of x; it needs a weight with no zero entries and its
+// xhat carries the rounding of y (fp16: ~1e-3 relative).
+//
+// Kernels: rows of up to 256 vectors (one 16-byte vector per element group when C allows, else
+// scalars) are held in registers by one warp per row; longer rows use one block per row with a
+// second read of the row (from L1/L2).  dw/db are per-lane column sums in registers, reduced
+// across the block in shared memory to per-block partials, then summed in a fixed order
+// (deterministic, no atomics).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace {
+
+// Error messages are built with std::to_string / std::string only and handed to TORCH_CHECK as
+// one string: formatting numbers through std::ostream inside this extension crashed (SIGSEGV in
+// basic_ostream::_M_insert<long>) on the GPU machine, whose toolchain puts a second copy of
+// libstdc++'s stream code into the extension. TORCH_CHECK with a single std::string argument
+// does no stream formatting here.
+inline void lsf_append(std::string& s, const char* v) { s += v; }
+inline void lsf_append(std::string& s, const std::string& v) { s += v; }
+inline void lsf_append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+inline void lsf_append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+inline void lsf_append(std::string& s, double v) { s += std::to_string(v); }
+template <typename I, typename std::enable_if<std::is_integral<I>::value, int>::type = 0>
+inline void lsf_append(std::string& s, I v) {
+  s += std::to_string(v);
+}
+template <typename... A>
+std::string lsf_message(const A&... a) {
+  std::string s;
+  (lsf_append(s, a), ...);
+  return s;
+}
+#define LSF_CHECK(cond, ...) TORCH_CHECK(cond, lsf_message(__VA_ARGS__))
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 4;    // warp-per-row kernels
+constexpr int kBlockThreads = 256;   // block-per-row kernels
+
+// ---------------------------------------------------------------- dtype helpers
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[VEC]) {
+  const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = to_float(pk.v[i]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[VEC]) {
+  Pack<T, VEC> pk;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) pk.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
+}
+
+// Weight (or 1) and bias (or 0) of one vector.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_wb(const T* __restrict__ w, const T* __restrict__ b, int64_t off,
+                                        float (&wv)[VEC], float (&bv)[VEC]) {
+  if (w != nullptr) {
+    load_vec<T, VEC>(w + off, wv);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) wv[i] = 1.f;
+  }
+  if (b != nullptr) {
+    load_vec<T, VEC>(b + off, bv);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) bv[i] = 0.f;
+  }
+}
+
+__device__ __forceinline__ void warp_allreduce2(float& a, float& b) {
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, m);
+    b += __shfl_xor_sync(0xffffffffu, b, m);
+  }
+}
+
+// Sum a and b over the block (every thread gets the totals); fixed order, reusable in a loop.
+__device__ __forceinline__ void block_allreduce2(float& a, float& b) {
+  __shared__ float sa[kBlockThreads / kWarp], sb[kBlockThreads / kWarp];
+  warp_allreduce2(a, b);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) {
+    sa[warp] = a;
+    sb[warp] = b;
+  }
+  __syncthreads();
+  a = 0.f;
+  b = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBlockThreads / kWarp; ++i) {
+    a += sa[i];
+    b += sb[i];
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------- forward
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
+    ln_fwd_warp_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                       T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                       int64_t rows, int C, float eps) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= rows) return;
+  const int nvec = C / VEC;
+  const T* xr = x + row * C;
+  const float shift = to_float(xr[0]);
+  float v[NV][VEC];
+  float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int j = lane + k * kWarp;
+    if (j < nvec) {
+      load_vec<T, VEC>(xr + j * VEC, v[k]);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float d = v[k][i] - shift;
+        s1 += d;
+        s2 += d * d;
+      }
+    }
+  }
+  warp_allreduce2(s1, s2);
+  const float inv_c = 1.f / static_cast<float>(C);
+  const float mean_shifted = s1 * inv_c;
+  const float var = fmaxf(s2 * inv_c - mean_shifted * mean_shifted, 0.f);
+  const float rstd = rsqrtf(var + eps);
+  if (lane == 0) {
+    mean_out[row] = shift + mean_shifted;
+    rstd_out[row] = rstd;
+  }
+  T* yr = y + row * C;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int j = lane + k * kWarp;
+    if (j < nvec) {
+      float wv[VEC], bv[VEC], o[VEC];
+      load_wb<T, VEC>(w, b, static_cast<int64_t>(j) * VEC, wv, bv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o[i] = ((v[k][i] - shift) - mean_shifted) * rstd * wv[i] + bv[i];
+      store_vec<T, VEC>(yr + j * VEC, o);
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kBlockThreads)
+    ln_fwd_block_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                        T* __restrict__ y, float* __restrict__ mean_out,
+                        float* __restrict__ rstd_out, int64_t rows, int C, float eps) {
+  const int nvec = C / VEC;
+  const float inv_c = 1.f / static_cast<float>(C);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * C;
+    const float shift = to_float(xr[0]);
+    float s1 = 0.f, s2 = 0.f;
+    for (int j = threadIdx.x; j < nvec; j += kBlockThreads) {
+      float v[VEC];
+      load_vec<T, VEC>(xr + static_cast<int64_t>(j) * VEC, v);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float d = v[i] - shift;
+        s1 += d;
+        s2 += d * d;
+      }
+    }
+    block_allreduce2(s1, s2);
+    const float mean_shifted = s1 * inv_c;
+    const float var = fmaxf(s2 * inv_c - mean_shifted * mean_shifted, 0.f);
+    const float rstd = rsqrtf(var + eps);
+    if (threadIdx.x == 0) {
+      mean_out[row] = shift + mean_shifted;
+      rstd_out[row] = rstd;
+    }
+    T* yr = y + row * C;
+    for (int j = threadIdx.x; j < nvec; j += kBlockThreads) {
+      float v[VEC], wv[VEC], bv[VEC];
+      load_vec<T, VEC>(xr + static_cast<int64_t>(j) * VEC, v);
+      load_wb<T, VEC>(w, b, static_cast<int64_t>(j) * VEC, wv, bv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = ((v[i] - shift) - mean_shifted) * rstd * wv[i] + bv[i];
+      store_vec<T, VEC>(yr + static_cast<int64_t>(j) * VEC, v);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward
+// xhat from the saved tensor: x (normal) or y (invertible).
+__device__ __forceinline__ float make_xhat(float saved, float w, float b, float mean, float rstd,
+                                           bool invertible) {
+  return invertible ? (saved - b) / w : (saved - mean) * rstd;
+}
+
+// Register path of the backward: block (BT, 256 / BT); threadIdx.y picks one of R = 256 / BT rows
+// processed at once, BT threads share a row and each holds NV vectors of it (column j*VEC with
+// j = threadIdx.x + k * BT).  dw/db are per-thread column sums over the rows of the block, reduced
+// over threadIdx.y at the end and written as one partial row per block.
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kBlockThreads)
+    ln_bwd_rows_kernel(const T* __restrict__ grad, const T* __restrict__ saved,
+                       const T* __restrict__ w, const T* __restrict__ b,
+                       const float* __restrict__ mean, const float* __restrict__ rstd,
+                       T* __restrict__ dx, float* __restrict__ part_w, float* __restrict__ part_b,
+                       int64_t rows, int C, bool invertible) {
+  __shared__ float red[kBlockThreads / kWarp][2];
+  __shared__ float colsum[kBlockThreads * VEC];
+  const int BT = blockDim.x, R = blockDim.y;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int tid = ty * BT + tx;
+  const int warp_in_row = tx / kWarp, warps_per_row = BT / kWarp;
+  const int nvec = C / VEC;
+  const float inv_c = 1.f / static_cast<float>(C);
+  float acc_w[NV][VEC], acc_b[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
+
+  // Uniform trip count over the block (the loop body has barriers).
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * R; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * R) {
+    const int64_t row = base + ty;
+    const bool active = row < rows;
+    const float rs = active ? rstd[row] : 0.f;
+    const float mu = (active && !invertible) ? mean[row] : 0.f;
+    float d[NV][VEC], xh[NV][VEC];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int j = tx + k * BT;
+      if (active && j < nvec) {
+        load_vec<T, VEC>(grad + row * C + j * VEC, d[k]);
+        load_vec<T, VEC>(saved + row * C + j * VEC, xh[k]);
+      }
+    }
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int j = tx + k * BT;
+      if (active && j < nvec) {
+        float wv[VEC], bv[VEC];
+        load_wb<T, VEC>(w, b, static_cast<int64_t>(j) * VEC, wv, bv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float g = d[k][i];
+          const float xhat = make_xhat(xh[k][i], wv[i], bv[i], mu, rs, invertible);
+          acc_w[k][i] += g * xhat;
+          acc_b[k][i] += g;
+          const float dd = g * wv[i];
+          s1 += dd;
+          s2 += dd * xhat;
+          d[k][i] = dd;
+          xh[k][i] = xhat;
+        }
+      }
+    }
+    warp_allreduce2(s1, s2);
+    if (warps_per_row > 1) {  // uniform over the block
+      if ((tx % kWarp) == 0) {
+        red[ty * warps_per_row + warp_in_row][0] = s1;
+        red[ty * warps_per_row + warp_in_row][1] = s2;
+      }
+      __syncthreads();
+      s1 = 0.f;
+      s2 = 0.f;
+      for (int q = 0; q < warps_per_row; ++q) {
+        s1 += red[ty * warps_per_row + q][0];
+        s2 += red[ty * warps_per_row + q][1];
+      }
+      __syncthreads();
+    }
+    s1 *= inv_c;
+    s2 *= inv_c;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int j = tx + k * BT;
+      if (active && j < nvec) {
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = rs * (d[k][i] - s1 - xh[k][i] * s2);
+        store_vec<T, VEC>(dx + row * C + j * VEC, o);
+      }
+    }
+  }
+
+  if (part_w == nullptr) return;  // uniform over the block
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    float* part = which == 0 ? part_w : part_b;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        colsum[(ty * VEC + i) * BT + tx] = which == 0 ? acc_w[k][i] : acc_b[k][i];
+      __syncthreads();
+      // BT * VEC sums over R rows; flat e = i * BT + t  ->  column (t + k * BT) * VEC + i.
+      for (int e = tid; e < BT * VEC; e += BT * R) {
+        const int i = e / BT, t = e % BT;
+        const int j = t + k * BT;
+        float s = 0.f;
+        for (int q = 0; q < R; ++q) s += colsum[(q * VEC + i) * BT + t];
+        if (j < nvec) part[static_cast<int64_t>(blockIdx.x) * C + static_cast<int64_t>(j) * VEC + i] = s;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kBlockThreads)
+    ln_bwd_block_kernel(const T* __restrict__ grad, const T* __restrict__ saved,
+                        const T* __restrict__ w, const T* __restrict__ b,
+                        const float* __restrict__ mean, const float* __restrict__ rstd,
+                        T* __restrict__ dx, int64_t rows, int C, bool invertible) {
+  const int nvec = C / VEC;
+  const float inv_c = 1.f / static_cast<float>(C);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float rs = rstd[row];
+    const float mu = invertible ? 0.f : mean[row];
+    float s1 = 0.f, s2 = 0.f;
+    for (int j = threadIdx.x; j < nvec; j += kBlockThreads) {
+      const int64_t off = static_cast<int64_t>(j) * VEC;
+      float g[VEC], sv[VEC], wv[VEC], bv[VEC];
+      load_vec<T, VEC>(grad + row * C + off, g);
+      load_vec<T, VEC>(saved + row * C + off, sv);
+      load_wb<T, VEC>(w, b, off, wv, bv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float dd = g[i] * wv[i];
+        s1 += dd;
+        s2 += dd * make_xhat(sv[i], wv[i], bv[i], mu, rs, invertible);
+      }
+    }
+    block_allreduce2(s1, s2);
+    s1 *= inv_c;
+    s2 *= inv_c;
+    for (int j = threadIdx.x; j < nvec; j += kBlockThreads) {
+      const int64_t off = static_cast<int64_t>(j) * VEC;
+      float g[VEC], sv[VEC], wv[VEC], bv[VEC];
+      load_vec<T, VEC>(grad + row * C + off, g);
+      load_vec<T, VEC>(saved + row * C + off, sv);
+      load_wb<T, VEC>(w, b, off, wv, bv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        g[i] = rs * (g[i] * wv[i] - s1 - make_xhat(sv[i], wv[i], bv[i], mu, rs, invertible) * s2);
+      store_vec<T, VEC>(dx + row * C + off, g);
+    }
+  }
+}
+
+// dw/db partials for the block path: grid (ceil(C/32), chunks), block (32, 8).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    ln_dwdb_kernel(const T* __restrict__ grad, const T* __restrict__ saved,
+                   const T* __restrict__ w, const T* __restrict__ b,
+                   const float* __restrict__ mean, const float* __restrict__ rstd,
+                   float* __restrict__ part_w, float* __restrict__ part_b, int64_t rows, int C,
+                   bool invertible) {
+  __shared__ float sw[8][kWarp + 1], sb[8][kWarp + 1];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarp + threadIdx.x;
+  float aw = 0.f, ab = 0.f;
+  if (c < C) {
+    const float wc = w != nullptr ? to_float(w[c]) : 1.f;
+    const float bc = b != nullptr ? to_float(b[c]) : 0.f;
+    for (int64_t row = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; row < rows;
+         row += static_cast<int64_t>(gridDim.y) * 8) {
+      const float g = to_float(grad[row * C + c]);
+      const float xhat = make_xhat(to_float(saved[row * C + c]), wc, bc,
+                                   invertible ? 0.f : mean[row], rstd[row], invertible);
+      aw += g * xhat;
+      ab += g;
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float tw = 0.f, tb = 0.f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      tw += sw[q][threadIdx.x];
+      tb += sb[q][threadIdx.x];
+    }
+    part_w[static_cast<int64_t>(blockIdx.y) * C + c] = tw;
+    part_b[static_cast<int64_t>(blockIdx.y) * C + c] = tb;
+  }
+}
+
+// Sum of per-block column partials [chunks, C] (float) into out [C] (T). Block (32, 32):
+// threadIdx.x picks the column, threadIdx.y a strided subset of the chunks; the 32 subtotals are
+// added in a fixed order (deterministic).
+template <typename T>
+__global__ void __launch_bounds__(1024)
+    column_sum_kernel(const float* __restrict__ partial, int64_t chunks, int64_t C,
+                      T* __restrict__ out) {
+  __shared__ float sub[32][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (c < C) {
+#pragma unroll 4
+    for (int64_t k = threadIdx.y; k < chunks; k += 32) s += partial[k * C + c];
+  }
+  sub[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) t += sub[q][threadIdx.x];
+    out[c] = from_float<T>(t);
+  }
+}
+
+// ---------------------------------------------------------------- host side
+#define LSF_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                              \
+  [&] {                                                                                         \
+    switch (DTYPE) {                                                                            \
+      case at::ScalarType::Float: {                                                             \
+        using T = float;                                                                        \
+        return __VA_ARGS__();                                                                   \
+      }                                                                                         \
+      case at::ScalarType::Half: {                                                              \
+        using T = __half;                                                                       \
+        return __VA_ARGS__();                                                                   \
+      }                                                                                         \
+      case at::ScalarType::BFloat16: {                                                          \
+        using T = __nv_bfloat16;                                                                \
+        return __VA_ARGS__();                                                                   \
+      }                                                                                         \
+      default:                                                                                  \
+        LSF_CHECK(false, NAME, ": unsupported dtype ", DTYPE,                                 \
+                    " (expected float32, float16 or bfloat16)");                                \
+    }                                                                                           \
+  }()
+
+int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cached[device] = n;
+  return n;
+}
+
+template <typename T>
+bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
+  constexpr int V = 16 / sizeof(T);
+  if (C % V != 0) return false;
+  for (const void* p : ptrs)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// Vectors per lane for the warp kernels (1, 2, 4 or 8), or 0 for the block kernels.
+int vectors_per_lane(int nvec) {
+  const int need = (nvec + kWarp - 1) / kWarp;
+  if (need <= 1) return 1;
+  if (need <= 2) return 2;
+  if (need <= 4) return 4;
+  if (need <= 8) return 8;
+  return 0;
+}
+
+void check_affine(const std::optional<at::Tensor>& t, const at::Tensor& x, int64_t C,
+                  const char* what, const char* name) {
+  if (!t.has_value()) return;
+  LSF_CHECK(t->is_cuda() && t->device() == x.device(), name, ": ", what,
+              " must be on the device of x");
+  LSF_CHECK(t->numel() == C, name, ": ", what, " must have C = ", C, " elements, got shape ",
+              t->sizes());
+  LSF_CHECK(t->scalar_type() == x.scalar_type(), name, ": ", what, " dtype ", t->scalar_type(),
+              " differs from x dtype ", x.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x_in,
+                                                               const std::optional<at::Tensor>& w_in,
+                                                               const std::optional<at::Tensor>& b_in,
+                                                               double eps, bool invertible) {
+  const char* name = "ls_fairseq layer_norm_fwd";
+  LSF_CHECK(x_in.is_cuda(), name, ": expected a CUDA tensor");
+  LSF_CHECK(x_in.dim() >= 1 && x_in.size(-1) > 0, name,
+              ": expected x of shape [..., C] with C > 0, got ", x_in.sizes());
+  const int64_t C64 = x_in.size(-1);
+  LSF_CHECK(C64 <= (1 << 30), name, ": hidden size ", C64, " too large");
+  const int C = static_cast<int>(C64);
+  check_affine(w_in, x_in, C, "weight", name);
+  check_affine(b_in, x_in, C, "bias", name);
+  LSF_CHECK(eps >= 0.0, name, ": eps must be >= 0");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous();
+  const int64_t rows = x.numel() / C;
+  std::optional<at::Tensor> w, b;
+  if (w_in.has_value()) w = w_in->contiguous();
+  if (b_in.has_value()) b = b_in->contiguous();
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (rows == 0) return {y, mean, rstd};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  LSF_DISPATCH_FLOAT_TYPES(x.scalar_type(), name, [&] {
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* wp = w ? reinterpret_cast<const T*>(w->data_ptr()) : nullptr;
+    const T* bp = b ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
+    T* yp = reinterpret_cast<T*>(y.data_ptr());
+    float* mp = mean.data_ptr<float>();
+    float* rp = rstd.data_ptr<float>();
+    const float feps = static_cast<float>(eps);
+    auto run = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const int nv = vectors_per_lane(C / VEC);
+      const unsigned warp_grid = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+      const dim3 wblock(kWarp * kWarpsPerBlock);
+      switch (nv) {
+        case 1: ln_fwd_warp_kernel<T, VEC, 1><<<warp_grid, wblock, 0, stream>>>(xp, wp, bp, yp, mp, rp, rows, C, feps); break;
+        case 2: ln_fwd_warp_kernel<T, VEC, 2><<<warp_grid, wblock, 0, stream>>>(xp, wp, bp, yp, mp, rp, rows, C, feps); break;
+        case 4: ln_fwd_warp_kernel<T, VEC, 4><<<warp_grid, wblock, 0, stream>>>(xp, wp, bp, yp, mp, rp, rows, C, feps); break;
+        case 8: ln_fwd_warp_kernel<T, VEC, 8><<<warp_grid, wblock, 0, stream>>>(xp, wp, bp, yp, mp, rp, rows, C, feps); break;
+        default: {
+          const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, 1 << 20));
+          ln_fwd_block_kernel<T, VEC><<<grid, kBlockThreads, 0, stream>>>(xp, wp, bp, yp, mp, rp, rows, C, feps);
+        }
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int V = 16 / sizeof(T);
+    if (use_vec<T>(C, {xp, wp, bp, yp})) {
+      run(std::integral_constant<int, V>{});
+    } else {
+      run(std::integral_constant<int, 1>{});
+    }
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+    const at::Tensor& grad_in, const at::Tensor& saved_in, const std::optional<at::Tensor>& w_in,
+    const std::optional<at::Tensor>& b_in, const std::optional<at::Tensor>& mean_in,
+    const at::Tensor& rstd_in, bool invertible, bool weight_grad, bool bias_grad) {
+  const char* name = "ls_fairseq layer_norm_bwd";
+  LSF_CHECK(grad_in.is_cuda(), name, ": expected a CUDA tensor");
+  LSF_CHECK(grad_in.sizes() == saved_in.sizes() && grad_in.scalar_type() == saved_in.scalar_type() &&
+                  grad_in.device() == saved_in.device(),
+              name, ": the saved input/output must have the shape, dtype and device of grad");
+  LSF_CHECK(grad_in.dim() >= 1 && grad_in.size(-1) > 0, name, ": expected [..., C] with C > 0");
+  const int C = static_cast<int>(grad_in.size(-1));
+  const int64_t rows = grad_in.numel() / C;
+  check_affine(w_in, grad_in, C, "weight", name);
+  check_affine(b_in, grad_in, C, "bias", name);
+  LSF_CHECK(invertible || mean_in.has_value(), name, ": mean is required unless invertible");
+  LSF_CHECK(rstd_in.numel() == rows && rstd_in.scalar_type() == at::kFloat, name,
+              ": rstd must be float32 with one entry per row");
+  LSF_CHECK(invertible || (mean_in->numel() == rows && mean_in->scalar_type() == at::kFloat), name,
+              ": mean must be float32 with one entry per row");
+  LSF_CHECK(!weight_grad || w_in.has_value(), name, ": weight_grad needs a weight");
+  LSF_CHECK(!bias_grad || b_in.has_value(), name, ": bias_grad needs a bias");
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const auto grad = grad_in.contiguous();
+  const auto saved = saved_in.contiguous();
+  const auto rstd = rstd_in.contiguous();
+  at::Tensor mean;
+  if (!invertible) mean = mean_in->contiguous();
+  std::optional<at::Tensor> w, b;
+  if (w_in.has_value()) w = w_in->contiguous();
+  if (b_in.has_value()) b = b_in->contiguous();
+  auto dx = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  const bool need_wb = weight_grad || bias_grad;
+  at::Tensor dw = at::empty({weight_grad ? C : 0}, grad.options());
+  at::Tensor db = at::empty({bias_grad ? C : 0}, grad.options());
+  if (rows == 0) {
+    if (weight_grad) dw.zero_();
+    if (bias_grad) db.zero_();
+    return {dx, dw, db};
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = grad.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
+    const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
+    const T* sp = reinterpret_cast<const T*>(saved.data_ptr());
+    const T* wp = w ? reinterpret_cast<const T*>(w->data_ptr()) : nullptr;
+    const T* bp = b ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
+    const float* mp = invertible ? nullptr : mean.data_ptr<float>();
+    const float* rp = rstd.data_ptr<float>();
+    T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+    at::Tensor part_w, part_b;
+    int64_t chunks = 0;
+    auto finish = [&]() {
+      if (!need_wb) return;
+      const unsigned g = static_cast<unsigned>((C + 31) / 32);
+      if (weight_grad) {
+        column_sum_kernel<T><<<g, dim3(32, 32), 0, stream>>>(part_w.data_ptr<float>(), chunks, C,
+                                                    reinterpret_cast<T*>(dw.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      if (bias_grad) {
+        column_sum_kernel<T><<<g, dim3(32, 32), 0, stream>>>(part_b.data_ptr<float>(), chunks, C,
+                                                    reinterpret_cast<T*>(db.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    auto run = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const int nvec = C / VEC;
+      if (nvec <= 2 * kBlockThreads) {
+        // Threads per row: enough for one vector each (NV = 1) up to 256, then NV = 2.
+        const int nv = nvec <= kBlockThreads ? 1 : 2;
+        int bt = kWarp;
+        while (bt * nv < nvec && bt < kBlockThreads) bt *= 2;
+        const dim3 block(bt, kBlockThreads / bt);
+        auto launch = [&](auto kernel) {
+          int per_sm = 0;
+          C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                       kBlockThreads, 0));
+          // At most 4 resident blocks (32 warps) per SM: enough loads in flight for full
+          // bandwidth while keeping the dw/db partials small.
+          const int64_t resident = static_cast<int64_t>(std::min(std::max(per_sm, 1), 4)) * sm_count(dev);
+          const int64_t grid = std::max<int64_t>(
+              1, std::min<int64_t>((rows + block.y - 1) / block.y, resident));
+          chunks = grid;
+          if (need_wb) {
+            part_w = at::empty({grid, C}, grad.options().dtype(at::kFloat));
+            part_b = at::empty({grid, C}, grad.options().dtype(at::kFloat));
+          }
+          kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(
+              gp, sp, wp, bp, mp, rp, dxp, need_wb ? part_w.data_ptr<float>() : nullptr,
+              need_wb ? part_b.data_ptr<float>() : nullptr, rows, C, invertible);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (nv == 1) {
+          launch(ln_bwd_rows_kernel<T, VEC, 1>);
+        } else {
+          launch(ln_bwd_rows_kernel<T, VEC, 2>);
+        }
+      } else {
+        const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, 1 << 20));
+        ln_bwd_block_kernel<T, VEC><<<grid, kBlockThreads, 0, stream>>>(gp, sp, wp, bp, mp, rp, dxp,
+                                                                         rows, C, invertible);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (need_wb) {
+          const int64_t gx = (C + kWarp - 1) / kWarp;
+          const int64_t target = static_cast<int64_t>(sm_count(dev)) * 8;
+          chunks = std::max<int64_t>(1, std::min<int64_t>({(rows + 7) / 8, target / gx + 1, 65535}));
+          part_w = at::empty({chunks, C}, grad.options().dtype(at::kFloat));
+          part_b = at::empty({chunks, C}, grad.options().dtype(at::kFloat));
+          ln_dwdb_kernel<T><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(chunks)),
+                              dim3(kWarp, 8), 0, stream>>>(gp, sp, wp, bp, mp, rp,
+                                                           part_w.data_ptr<float>(),
+                                                           part_b.data_ptr<float>(), rows, C,
+                                                           invertible);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      }
+      finish();
+    };
+    constexpr int V = 16 / sizeof(T);
+    if (use_vec<T>(C, {gp, sp, wp, bp, dxp})) {
+      run(std::integral_constant<int, V>{});
+    } else {
+      run(std::integral_constant<int, 1>{});
+    }
+  });
+  return {dx, dw, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool invertible=False) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("layer_norm_bwd(Tensor grad, Tensor saved, Tensor? weight, Tensor? bias, Tensor? mean, "
+        "Tensor rstd, bool invertible, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd);
+  m.impl("layer_norm_bwd", &layer_norm_bwd);
+}

@@ -1,0 +1,98 @@
+"""CUDA binding of :func:`ls_fairseq.ops.embedding.transformer_embedding` (``csrc/embedding.cu``).
+
+Ops: ``embedding_fwd(tokens, positions, token_weight, pos_weight, scale, padding_idx, p, train,
+zero_pad) -> (out, rng)`` and ``embedding_bwd(grad, tokens, positions, token_weight, pos_weight,
+rng, scale, padding_idx, p, train, zero_pad, token_grad, pos_grad, deterministic) ->
+(grad_token_weight, grad_pos_weight)`` (empty when not asked for).
+
+The backward accumulates rows of repeated tokens/positions with float atomics by default. It is
+deterministic (stable sort of the indices, one fixed-order float32 sum per distinct index) when
+``torch.use_deterministic_algorithms(True)`` is on or ``LS_FAIRSEQ_DETERMINISTIC=1`` is set; the
+choice is read at backward time.
+"""
+import os
+
+import torch
+
+from .embedding import transformer_embedding_reference
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+DETERMINISTIC_ENV = "LS_FAIRSEQ_DETERMINISTIC"
+
+
+def deterministic_backward() -> bool:
+    flag = os.environ.get(DETERMINISTIC_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return flag or torch.are_deterministic_algorithms_enabled()
+
+
+@torch.library.register_fake("ls_fairseq::embedding_fwd")
+def _fwd_fake(tokens, positions, token_weight, pos_weight, scale, padding_idx, p, train, zero_pad):
+    out = token_weight.new_empty((*tokens.shape, token_weight.size(1)))
+    return out, token_weight.new_empty((2,), dtype=torch.int64)
+
+
+@torch.library.register_fake("ls_fairseq::embedding_bwd")
+def _bwd_fake(grad, tokens, positions, token_weight, pos_weight, rng, scale, padding_idx, p, train,
+              zero_pad, token_grad, pos_grad, deterministic):
+    ge = token_weight.new_empty(token_weight.shape if token_grad else (0,))
+    gp = token_weight.new_empty(pos_weight.shape if pos_grad else (0,))
+    return ge, gp
+
+
+def _setup_context(ctx, inputs, output):
+    tokens, positions, token_weight, pos_weight, scale, padding_idx, p, train, zero_pad = inputs
+    _out, rng = output
+    ctx.mark_non_differentiable(rng)
+    ctx.save_for_backward(tokens, positions, token_weight, pos_weight, rng)
+    ctx.args = (float(scale), int(padding_idx), float(p), bool(train), bool(zero_pad))
+
+
+def _backward(ctx, grad_out, _grad_rng):
+    tokens, positions, token_weight, pos_weight, rng = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    token_grad = bool(need[2])
+    pos_grad = bool(need[3] and pos_weight is not None)
+    ge = gp = None
+    if token_grad or pos_grad:
+        scale, padding_idx, p, train, zero_pad = ctx.args
+        ge, gp = torch.ops.ls_fairseq.embedding_bwd(
+            grad_out, tokens, positions, token_weight, pos_weight, rng, scale, padding_idx, p,
+            train, zero_pad, token_grad, pos_grad, deterministic_backward(),
+        )
+    return (
+        None,
+        None,
+        ge if token_grad else None,
+        gp if pos_grad else None,
+        None, None, None, None, None,
+    )
+
+
+torch.library.register_autograd("ls_fairseq::embedding_fwd", _backward, setup_context=_setup_context)
+
+
+def transformer_embedding_cuda(tokens, positions, token_weight, pos_weight, scale: float,
+                               padding_idx: int, dropout_p: float, training: bool, zero_pad: bool):
+    if (
+        token_weight.dtype not in _SUPPORTED
+        or token_weight.dim() != 2
+        or token_weight.size(1) == 0
+        or tokens.dtype not in (torch.int64, torch.int32)
+        or (pos_weight is not None and (positions is None or pos_weight.dim() != 2))
+    ):
+        return transformer_embedding_reference(
+            tokens, positions, token_weight, pos_weight, scale, padding_idx, dropout_p, training,
+            zero_pad,
+        )
+    tokens = tokens.long()
+    if pos_weight is None:
+        positions = None
+    else:
+        positions = positions.long()
+        if pos_weight.dtype != token_weight.dtype:
+            pos_weight = pos_weight.to(token_weight.dtype)
+    out, _rng = torch.ops.ls_fairseq.embedding_fwd(
+        tokens, positions, token_weight, pos_weight, float(scale), int(padding_idx),
+        float(dropout_p), bool(training), bool(zero_pad),
+    )
+    return out

@@ -1,0 +1,79 @@
+"""CUDA binding of :func:`ls_fairseq.ops.layer_norm.layer_norm` (``csrc/layer_norm.cu``).
+
+Ops: ``torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, invertible) -> (y, mean, rstd)``
+and ``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad)
+-> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for). Autograd is registered here with
+``torch.library.register_autograd``; fake-tensor shapes with ``torch.library.register_fake``.
+
+``invertible=True`` saves the output ``y`` (and ``rstd``) for backward instead of the input ``x``,
+so a caller that keeps ``y`` anyway (the next sublayer's input) lets ``x`` be freed; backward then
+rebuilds ``xhat = (y - bias) / weight``. It needs a weight without zero entries, and in fp16/bf16
+its gradient carries the rounding of ``y`` (relative ~1e-3 / ~8e-3). The default saves ``x``.
+"""
+import torch
+
+from .layer_norm import layer_norm_reference
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.register_fake("ls_fairseq::layer_norm_fwd")
+def _fwd_fake(x, weight, bias, eps, invertible=False):
+    rows = x.numel() // x.size(-1)
+    stats = x.new_empty((rows,), dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.new_empty((rows,))
+
+
+@torch.library.register_fake("ls_fairseq::layer_norm_bwd")
+def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad):
+    c = grad.size(-1)
+    return (
+        torch.empty_like(grad, memory_format=torch.contiguous_format),
+        grad.new_empty((c if weight_grad else 0,)),
+        grad.new_empty((c if bias_grad else 0,)),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _eps, invertible = inputs
+    y, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.invertible = bool(invertible)
+    if ctx.invertible:
+        ctx.save_for_backward(y, weight, bias, None, rstd)
+    else:
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    weight_grad = bool(need_w and weight is not None)
+    bias_grad = bool(need_b and bias is not None)
+    dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
+        grad_y, saved, weight, bias, mean, rstd, ctx.invertible, weight_grad, bias_grad
+    )
+    return (
+        dx if need_x else None,
+        dw.view_as(weight) if weight_grad else None,
+        db.view_as(bias) if bias_grad else None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd(
+    "ls_fairseq::layer_norm_fwd", _backward, setup_context=_setup_context
+)
+
+
+def layer_norm_cuda(x, weight, bias, eps: float = 1e-5, invertible: bool = False):
+    """Fused LayerNorm over the last dim; same result as ``layer_norm_reference``."""
+    if x.dtype not in _SUPPORTED or x.dim() == 0 or x.size(-1) == 0:
+        return layer_norm_reference(x, weight, bias, eps)
+    if weight is not None and weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    y, _mean, _rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, float(eps), bool(invertible))
+    return y

@@ -1,0 +1,229 @@
+"""GPU tests of ``dropout(act(x + bias))``, act = relu | exact-erf gelu
+(ls_fairseq/ops/_bias_act_dropout_cuda.py, csrc/dropout_fusions.cu).
+
+The dropout mask is checked exactly against ``philox_keep`` (the Philox4x32-10 layout documented
+in csrc/dropout_fusions.cu, recomputed from the (seed, offset) the forward returns; the oracle is
+checked against the published known-answer vectors in test_bias_dropout_residual_cuda.py and
+here). Given the mask, the truth is the float64 formula on the same inputs, with fairseq's
+activations (relu; gelu = x * Phi(x) with erf, not the tanh approximation), forward and backward
+(grad_x = grad * mask / (1 - p) * act'(x + b); grad_bias its column sum).
+
+Tolerances: elementwise ``|err| <= tol * (1 + |truth|)``, tol = fp32 1e-5, fp16 2e-3,
+bf16 1.6e-2 (fp32 math rounded once to the storage dtype); ``||err|| / ||truth|| <= tol`` for the
+bias gradient. A wrong mask element, a tanh-GELU or a wrong derivative is far outside them (the
+tanh approximation differs from erf GELU by up to ~1e-3 absolute near |x| ~ 2, above the fp32
+tolerance; see test_gelu_is_erf_not_tanh).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ls_fairseq.ops import _extension
+from ls_fairseq.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+ACTS = ["relu", "gelu"]
+# (rows, C): FFN widths 2048/4096, odd widths (scalar path), 1 .. 32k rows, empty input
+SHAPES = [(1, 1), (3, 7), (5, 17), (64, 2048), (257, 1000), (33, 1026), (4096, 4096), (7, 4095),
+          (32768, 512), (0, 64)]
+
+M32 = 0xFFFFFFFF
+
+
+def _mulhilo(a, m):
+    """(hi, lo) 32-bit halves of a * m for int64 tensors a < 2^32 and a constant m < 2^32,
+    without int64 overflow."""
+    mh, ml = m >> 16, m & 0xFFFF
+    t1, t0 = a * mh, a * ml
+    s = t0 + ((t1 & 0xFFFF) << 16)
+    return (t1 >> 16) + (s >> 32), s & M32
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
+        hi1, lo1 = _mulhilo(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
+    return c0, c1, c2, c3
+
+
+def philox_keep(rng, rows, C, p):
+    """Keep mask [rows, C] the kernels draw for (seed, offset) = rng."""
+    seed, offset = [int(v) & (2**64 - 1) for v in rng.tolist()]
+    groups = (C + 3) // 4
+    g = torch.arange(rows * groups, device="cuda", dtype=torch.int64)
+    ctr = offset // 4
+    words = philox4x32_10(
+        torch.full_like(g, ctr & M32), torch.full_like(g, (ctr >> 32) & M32), g & M32,
+        (g >> 32) & M32, seed & M32, (seed >> 32) & M32,
+    )
+    words = torch.stack(words, 1).reshape(rows, groups * 4)[:, :C]
+    threshold = min(math.floor(p * 2**32), 2**32 - 1)
+    return words >= threshold
+
+
+def test_philox_oracle_known_answers():
+    # Random123 known-answer vectors for Philox4x32-10
+    cases = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((M32, M32, M32, M32), (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]
+    for ctr, key, expected in cases:
+        c = [torch.tensor([v], dtype=torch.int64) for v in ctr]
+        out = philox4x32_10(*c, key[0], key[1])
+        assert tuple(int(o) for o in out) == expected
+
+
+
+def test_philox_oracle_known_answer():
+    c = [torch.tensor([v], dtype=torch.int64) for v in (0, 0, 0, 0)]
+    out = philox4x32_10(*c, 0, 0)
+    assert tuple(int(o) for o in out) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert _extension.load(), f"CUDA extension did not build: {_extension.failure_reason()}"
+    assert _extension.has_op("bias_act_dropout_fwd")
+    from ls_fairseq.ops import _bias_act_dropout_cuda
+
+    return _bias_act_dropout_cuda
+
+
+def _act64(name, h):
+    return F.relu(h) if name == "relu" else F.gelu(h)  # exact erf GELU
+
+
+def _close(ours, truth, dtype, what):
+    tol = TOL[dtype]
+    ours = ours.double()
+    assert torch.isfinite(ours).all(), f"{what}: non-finite values"
+    bad = (ours - truth).abs() > tol * (1 + truth.abs())
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements off, max err "
+        f"{(ours - truth).abs().max().item():.3g}"
+    )
+
+
+def _norm_close(ours, truth, dtype, what, terms=None):
+    """||ours - truth|| <= tol * scale. For a column sum, ``terms`` are the summed rows of the
+    upstream gradient: 1% of their absolute sum is added to the scale, since a float32 term can
+    only be as exact as its factors (erf-GELU's derivative in its tails carries an absolute error
+    of ~1e-7 |g|, large relative to the tiny derivative there)."""
+    err = (ours.double() - truth).norm().item()
+    scale = truth.norm().item() + 1e-6 * truth.numel() ** 0.5
+    if terms is not None:
+        scale += 0.01 * terms.abs().sum(0).norm().item()
+    assert err <= TOL[dtype] * scale, f"{what}: relative error {err / scale:.3g}"
+
+
+def _check(rows, C, dtype, act, p, train, bias=True):
+    x = (2 * torch.randn(rows, C, device="cuda")).to(dtype).requires_grad_()
+    b = torch.randn(C, device="cuda").to(dtype).requires_grad_() if bias else None
+    g = torch.randn(rows, C, device="cuda").to(dtype)
+    out, rng = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, b, act, p, train)
+    out.backward(g)
+    active = train and p > 0
+    keep = philox_keep(rng, rows, C, p) if active else torch.ones(rows, C, dtype=torch.bool, device="cuda")
+    scale = (1.0 / (1.0 - p) if p < 1 else 0.0) if active else 1.0
+    h = (x.detach().double() + (b.detach().double() if bias else 0.0)).requires_grad_()
+    truth = torch.where(keep, _act64(act, h) * scale, torch.zeros_like(h))
+    truth.backward(g.double())
+    _close(out.detach(), truth.detach(), dtype, "out")
+    _close(x.grad, h.grad, dtype, "grad_x")
+    if bias:
+        upstream = torch.where(keep, g.double() * scale, torch.zeros_like(h))
+        _norm_close(b.grad, h.grad.sum(0), dtype, "grad_bias", terms=upstream)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,C", SHAPES)
+@pytest.mark.parametrize("p,train", [(0.1, True), (0.0, True), (0.3, False)], ids=["p0.1", "p0", "eval"])
+def test_forward_backward(rows, C, dtype, act, p, train):
+    _check(rows, C, dtype, act, p, train)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_no_bias_and_p_one(dtype, act):
+    _check(129, 520, dtype, act, 0.25, True, bias=False)
+    _check(64, 512, dtype, act, 1.0, True)
+
+
+def test_gelu_is_erf_not_tanh():
+    x = torch.linspace(-6, 6, 4096, device="cuda").reshape(4, 1024)
+    out, _ = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, None, "gelu", 0.0, False)
+    exact = F.gelu(x.double())
+    tanh = F.gelu(x.double(), approximate="tanh")
+    assert (exact - tanh).abs().max() > 1e-4  # the two differ measurably here
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_matches_public_reference(act):
+    """Eval mode vs the op's PyTorch reference (which rounds x + b to the storage dtype first:
+    one extra rounding, so 2x the tolerance)."""
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.float16)
+    b = torch.randn(1024, device="cuda", dtype=torch.float16)
+    ours = bias_act_dropout(x, b, act, 0.1, False)
+    ref = bias_act_dropout_reference(x, b, act, 0.1, False)
+    torch.testing.assert_close(ours, ref, rtol=4e-3, atol=4e-3)
+    torch.manual_seed(5)
+    a = bias_act_dropout(x, b, act, 0.1, True)
+    torch.manual_seed(5)
+    direct, _ = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, b, act, 0.1, True)
+    assert torch.equal(a, direct)  # the public op runs the kernel
+
+
+def test_other_activations_use_the_reference():
+    x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
+    b = torch.randn(64, device="cuda", dtype=torch.float16)
+    for act in ("gelu_accurate", "tanh", "linear"):
+        torch.testing.assert_close(
+            bias_act_dropout(x, b, act, 0.0, False), bias_act_dropout_reference(x, b, act, 0.0, False)
+        )
+
+
+def test_reproducible_with_seed_and_keep_rate():
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.float16).abs() + 0.5  # relu keeps all
+    torch.manual_seed(11)
+    o1, rng1 = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, None, "relu", 0.1, True)
+    torch.manual_seed(11)
+    o2, rng2 = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, None, "relu", 0.1, True)
+    o3, _ = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, None, "relu", 0.1, True)
+    assert torch.equal(o1, o2) and torch.equal(rng1, rng2)
+    assert abs((o1 != o3).double().mean().item() - 0.18) < 0.01
+    kept = (o1 != 0).double().mean().item()
+    assert abs(kept - 0.9) < 5 * math.sqrt(0.09 / x.numel())
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="activation must be 'relu' or 'gelu'"):
+        torch.ops.ls_fairseq.bias_act_dropout_fwd(x, None, "swish", 0.1, True)
+    with pytest.raises(RuntimeError, match="bias dtype"):
+        torch.ops.ls_fairseq.bias_act_dropout_fwd(x, torch.zeros(64, device="cuda"), "relu", 0.1, True)
+
+
+def test_opcheck():
+    x = torch.randn(37, 520, device="cuda", requires_grad=True)
+    b = torch.randn(520, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.ls_fairseq.bias_act_dropout_fwd.default, (x, b, "gelu", 0.0, True))
+    _, rng = torch.ops.ls_fairseq.bias_act_dropout_fwd(x.detach(), b.detach(), "gelu", 0.2, True)
+    g = torch.randn_like(x)
+    torch.library.opcheck(
+        torch.ops.ls_fairseq.bias_act_dropout_bwd.default,
+        (g, x.detach(), b.detach(), rng, "gelu", 0.2, True, True),
+    )
