@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Multi-GPU checks through fairseq's own distributed engine (one process per GPU, NCCL).
+
+1. Correctness: the ls_ model on N GPUs with --update-freq 1 and on 1 GPU with --update-freq N
+   see the same batches per update (fairseq shards the batch list round-robin), so with dropout 0
+   their per-update losses agree within fp16 noise; prints both curves and the largest gap.
+2. The N-GPU run's checkpoint resumes on 1 GPU.
+3. Scaling: wps on N GPUs / wps on 1 GPU for ls_ and the fairseq baseline (cuDNN SDPA off) at each
+   --max-tokens, all in this one call.
+
+    python bench/multi_gpu.py --gpus 2 --max-tokens 8192 16384 --markdown $OUT/multi_gpu.md
+
+Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import e2e
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+def losses(log):
+    return [(int(s["num_updates"]), float(s["loss"])) for s in e2e.parse_log(log)[0]]
+
+
+def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=()):
+    cmd = e2e.train_cmd(data, variant, max_tokens, 100, 1, list(extra))
+    cmd = [c for c in cmd if c != "--no-save"]
+    cmd += ["--distributed-world-size", str(gpus), "--update-freq", str(update_freq),
+            "--max-update", str(updates), "--save-dir", save_dir, "--no-epoch-checkpoints",
+            "--ddp-backend", "pytorch_ddp"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
+               BENCH_CUDNN_SDPA="1" if e2e.VARIANTS[variant]["cudnn_sdpa"] else "0",
+               BENCH_HERE=e2e.HERE, PYTHONUNBUFFERED="1", LS_FAIRSEQ_KERNELS="require")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(save_dir, "train.log"), "w") as f:
+        f.write(log)
+    if proc.returncode != 0:
+        raise RuntimeError(log[-3000:])
+    return log
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.workdir, "train.en")):
+        e2e.make_corpus(args.workdir, 40000, 32000)
+    data = e2e.preprocess(args.workdir, 8)
+    out = []
+
+    # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update
+    nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
+    multi_dir, single_dir = "/tmp/mg_multi", "/tmp/mg_single"
+    for d in (multi_dir, single_dir):
+        os.makedirs(d, exist_ok=True)
+    mt = args.max_tokens[0]
+    multi = losses(train(data, "ls", mt, args.gpus, 1, args.updates, multi_dir, nodrop))
+    single = losses(train(data, "ls", mt, 1, args.gpus, args.updates, single_dir, nodrop))
+    gap = max(abs(a[1] - b[1]) for a, b in zip(multi, single))
+    out.append(f"Correctness ({args.gpus} GPUs x update-freq 1 vs 1 GPU x update-freq {args.gpus}, "
+               f"ls_, max-tokens {mt}, dropout 0, {args.updates} updates): largest loss gap {gap:.4f}")
+    out.append("updates: " + " ".join(str(u) for u, _ in multi))
+    out.append(f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi))
+    out.append("loss 1 GPU:   " + " ".join(f"{l:.3f}" for _, l in single))
+    resumed = train(data, "ls", mt, 1, args.gpus, args.updates + 10, multi_dir, nodrop)
+    ok = re.search(r"Loaded checkpoint .*@ %d updates" % args.updates, resumed) is not None
+    out.append(f"{args.gpus}-GPU checkpoint resumed on 1 GPU: {'yes' if ok else 'NO'}")
+
+    # 3: scaling efficiency
+    rows = ["| max-tokens | variant | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus, "|---|---|---|---|---|"]
+    for mt in args.max_tokens:
+        for variant in ("baseline_nocudnn", "ls"):
+            wps = []
+            for gpus in (1, args.gpus):
+                d = f"/tmp/mg_{variant}_{mt}_{gpus}"
+                os.makedirs(d, exist_ok=True)
+                log = train(data, variant, mt, gpus, 1, 150, d, ["--no-save"])
+                inner = e2e.parse_log(log)[0]
+                steady = [float(s["wps"]) for s in inner[len(inner) // 2:]]
+                wps.append(sum(steady) / len(steady))
+            rows.append(f"| {mt} | {variant} | {wps[0]:,.0f} | {wps[1]:,.0f} | {wps[1] / wps[0]:.2f}x |")
+    text = "\n".join(out) + "\n\n" + "\n".join(rows)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
