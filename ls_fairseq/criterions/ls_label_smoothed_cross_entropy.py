@@ -3,10 +3,18 @@
 Same options, formula, sample size and logged fields as fairseq's
 ``label_smoothed_cross_entropy`` (it subclasses it); the loss runs through the fused op, which on
 the GPU never builds the fp32 [tokens x vocab] log-probability tensor fairseq's path allocates.
+On the GPU the gradient is written over the logits buffer (nothing else needs it) and the
+``--report-accuracy`` argmax comes out of the same pass over the logits.
+
+``--ls-fused-output-ce`` (opt-in) goes further: the decoder returns its features
+(``features_only=True``) and the output projection + loss run chunk by chunk over the tokens
+(``ls_fairseq.ops.fused_output_cross_entropy``), so the [tokens x vocab] logits never exist.
+It needs a decoder whose output layer is ``decoder.output_projection`` (no adaptive softmax).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -14,11 +22,20 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 
 from .. import ops
+from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 
 
 @dataclass
 class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    pass
+    ls_fused_output_ce: bool = field(
+        default=False,
+        metadata={"help": "compute the output projection and the loss chunk by chunk over the "
+                  "tokens without materialising the [tokens x vocab] logits"},
+    )
+    ls_fused_output_ce_chunk: int = field(
+        default=0, metadata={"help": "tokens per chunk for --ls-fused-output-ce (0: about "
+                             "256 MiB of logits per chunk)"},
+    )
 
 
 @register_criterion(
@@ -26,9 +43,77 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 )
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
-                 report_accuracy=False):
+                 report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
+        self.ls_fused_output_ce = ls_fused_output_ce
+        self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
+
+    def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        if self.report_accuracy:
+            logging_output["n_correct"] = utils.item(n_correct.data)
+            logging_output["total"] = utils.item(total.data)
+        return sample_size, logging_output
+
+    def forward(self, model, sample, reduce=True):
+        if self.ls_fused_output_ce and reduce:
+            return self._forward_fused_output(model, sample)
+        net_output = model(**sample["net_input"])
+        logits = net_output[0]
+        if not (reduce and logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and ops._extension.use_kernels(logits)
+                and ops._extension.has_op("ls_cross_entropy_fwd")):
+            loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
+            n_correct = total = None
+            if self.report_accuracy:
+                n_correct, total = self.compute_accuracy(model, net_output, sample)
+            sample_size, logging_output = self._logging_output(loss, nll_loss, sample,
+                                                               n_correct, total)
+            return loss, sample_size, logging_output
+        # GPU: one pass for loss, nll and argmax; the backward overwrites the logits buffer
+        from ..ops._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda
+
+        logits, target = self.get_logits_and_target(model, net_output, sample)
+        loss_rows, nll_rows, argmax = label_smoothed_cross_entropy_rows_cuda(
+            logits, target, self.eps, self.padding_idx, compute_argmax=self.report_accuracy,
+            inplace_backward=True)
+        del net_output, logits
+        n_correct = total = None
+        if self.report_accuracy:
+            mask = target.ne(self.padding_idx)
+            n_correct, total = (argmax.eq(target) & mask).sum(), mask.sum()
+        loss = loss_rows.sum()
+        sample_size, logging_output = self._logging_output(loss, nll_rows.sum(), sample,
+                                                           n_correct, total)
+        return loss, sample_size, logging_output
+
+    def _forward_fused_output(self, model, sample):
+        decoder = getattr(model, "decoder", None)
+        projection = getattr(decoder, "output_projection", None)
+        if projection is None or getattr(decoder, "adaptive_softmax", None) is not None or \
+                getattr(projection, "bias", None) is not None:
+            raise ValueError("--ls-fused-output-ce needs a decoder with a bias-free "
+                             "decoder.output_projection (no adaptive softmax)")
+        features, extra = model(**sample["net_input"], features_only=True)
+        target = model.get_targets(sample, (features, extra))
+        if self.ignore_prefix_size > 0:
+            features = features[:, self.ignore_prefix_size:, :]
+            target = target[:, self.ignore_prefix_size:]
+        loss, nll_loss, n_correct = fused_output_cross_entropy(
+            features, projection.weight, target, self.eps, self.padding_idx,
+            chunk_size=self.ls_fused_output_ce_chunk, compute_accuracy=self.report_accuracy)
+        total = target.ne(self.padding_idx).sum() if self.report_accuracy else None
+        sample_size, logging_output = self._logging_output(loss, nll_loss, sample, n_correct,
+                                                           total)
+        return loss, sample_size, logging_output
 
     def get_logits_and_target(self, model, net_output, sample):
         logits = net_output[0]

@@ -73,6 +73,20 @@ def adam_step_cuda(
     step_size = lr * math.sqrt(bias_correction2) / bias_correction1
     scale_f, scale_t = _scale_tensor(grad_scale, device)
 
+    if moment_scales is None:
+        # Fast path (the usual case: one dtype combination, contiguous tensors): no per-tensor
+        # Python work, the C++ op checks every tensor before it launches anything and raises
+        # without having modified anything otherwise.
+        try:
+            torch.ops.ls_fairseq.multi_tensor_adam(
+                params, grads, exp_avgs, exp_avg_sqs,
+                [] if model_copies is None else model_copies, scale_t, None, None, found_inf,
+                float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                float(step_size), scale_f)
+            return found_inf
+        except RuntimeError:
+            pass  # mixed dtypes or non-contiguous tensors: grouped below
+
     # One launch per dtype combination (normally exactly one). Non-contiguous state or params
     # (never seen in fairseq) go through the reference math tensor by tensor.
     groups = {}

@@ -18,6 +18,8 @@ from omegaconf import II, OmegaConf
 
 from .. import ops
 
+_FP16_MAX = torch.finfo(torch.float16).max
+
 
 @dataclass
 class LSAdamConfig(FairseqDataclass):
@@ -29,6 +31,13 @@ class LSAdamConfig(FairseqDataclass):
         default=False, metadata={"help": "keep Adam moments in fp16 (math stays fp32)"}
     )
     amsgrad: bool = field(default=False, metadata={"help": "not supported by ls_adam"})
+    ls_fused_fp16_copy: bool = field(
+        default=False,
+        metadata={"help": "with --fp16/--bf16 (fairseq's FP16Optimizer): read the fp16 grads and "
+                  "write the fp16 weights inside the Adam kernel, skipping fairseq's per-tensor "
+                  "fp16<->fp32 copy loops and the flat fp32 grad buffer (opt-in; see "
+                  "docs/PERFORMANCE.md)"},
+    )
     lr: List[float] = II("optimization.lr")
 
 
@@ -87,17 +96,59 @@ class LSAdam(torch.optim.Optimizer):
                 state["exp_avg_scale"] = state["exp_avg_sq_scale"] = 1.0
         else:  # e.g. loaded from a checkpoint written by fairseq's adam on another device/dtype
             for key in ("exp_avg", "exp_avg_sq"):
-                if state[key].device != p.device or state[key].dtype != stats_dtype:
-                    state[key] = state[key].to(device=p.device, dtype=stats_dtype)
+                # A "<key>_scale" entry means the tensor holds true / scale (fp16 stats, maybe
+                # cast to the param's dtype by torch's load_state_dict: exact, cast back).
+                t, scale_key = state[key], key + "_scale"
+                if t.device == p.device and t.dtype == stats_dtype and (
+                        self.fp16_stats == (scale_key in state)):
+                    continue
+                t = t.to(p.device)
+                if scale_key in state and not self.fp16_stats:  # scaled -> true fp32 values
+                    t = t.float() * state.pop(scale_key)
+                elif scale_key not in state and self.fp16_stats:
+                    # true moments -> scaled fp16 (a plain cast would flush small v to zero)
+                    t = t.float()
+                    state[scale_key] = 1e-8 + t.abs().max() / _FP16_MAX
+                    t = t / state[scale_key]
+                state[key] = t.to(dtype=stats_dtype)
             if self.fp16_stats:
                 state.setdefault("exp_avg_scale", 1.0)
                 state.setdefault("exp_avg_sq_scale", 1.0)
         return state
 
+    @staticmethod
+    def _kernels_ok(tensors):
+        return ops._extension.use_kernels(*tensors) and ops._extension.has_op("multi_tensor_adam")
+
+    @staticmethod
+    def _scales_tensor(states, device):
+        """[n, 2] float32 (exp_avg_scale, exp_avg_sq_scale) of each state, on the device."""
+        vals = [v for s in states for v in (s["exp_avg_scale"], s["exp_avg_sq_scale"])]
+        if not any(torch.is_tensor(v) for v in vals):
+            return torch.tensor(vals, dtype=torch.float32).view(-1, 2).to(device)
+        return torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                            for v in vals]).view(-1, 2)
+
+    def _step_fp16_stats_fused(self, items, group, step, grad_scale):
+        """All tensors of one step count: the kernel's two-pass scaled-fp16-moment update."""
+        from ..ops._adam_cuda import adam_step_cuda
+
+        params = [p.data for p, _ in items]
+        states = [s for _, s in items]
+        scales = self._scales_tensor(states, params[0].device)
+        beta1, beta2 = group["betas"]
+        adam_step_cuda(
+            params, [p.grad.data for p, _ in items], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+            grad_scale=grad_scale, moment_scales=scales)
+        for i, s in enumerate(states):
+            s["exp_avg_scale"], s["exp_avg_sq_scale"] = scales[i, 0], scales[i, 1]
+
     def _step_fp16_stats(self, p, state, group, step, grad_scale):
         """fairseq's ``--fp16-adam-stats``: moments stored in fp16 divided by a per-tensor scale
         (max-norm / fp16 max), as fairseq's FusedAdam does, so small second moments survive."""
-        fp16_max = torch.finfo(torch.float16).max
+        fp16_max = _FP16_MAX
         exp_avg = state["exp_avg"].float() * state["exp_avg_scale"]
         exp_avg_sq = state["exp_avg_sq"].float() * state["exp_avg_sq_scale"]
         beta1, beta2 = group["betas"]
@@ -110,6 +161,77 @@ class LSAdam(torch.optim.Optimizer):
         state["exp_avg_sq_scale"] = 1e-8 + exp_avg_sq.abs().max() / fp16_max
         state["exp_avg"] = (exp_avg / state["exp_avg_scale"]).half()
         state["exp_avg_sq"] = (exp_avg_sq / state["exp_avg_sq_scale"]).half()
+
+    # ---- fused fp16 model copy (--ls-fused-fp16-copy, used by LSFusedFP16Optimizer) ----------
+
+    def _master_views(self, fp16_params, flat, state):
+        """Per-tensor views of the flat fp32 master and its moments (cached: views cost ~µs)."""
+        key = (flat.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+               tuple(p.data_ptr() for p in fp16_params))
+        cached = getattr(self, "_views_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        masters, ms, vs, offset = [], [], [], 0
+        for p in fp16_params:
+            n = p.numel()
+            masters.append(flat.data[offset:offset + n])
+            ms.append(state["exp_avg"][offset:offset + n])
+            vs.append(state["exp_avg_sq"][offset:offset + n])
+            offset += n
+        if offset != flat.numel():
+            raise RuntimeError(f"ls_adam: the flat fp32 master has {flat.numel()} elements but the "
+                               f"fp16 params have {offset}")
+        views = (masters, ms, vs, [p.data.view(-1) for p in fp16_params])
+        self._views_cache = (key, views)
+        return views
+
+    @torch.no_grad()
+    def step_fp16_master(self, fp16_params, fp32_params, grad_scale=1.0):
+        """One Adam step that reads the fp16 model grads (``p.grad``, times ``grad_scale``),
+        updates the fp32 master (fairseq's flat tensor, or one fp32 tensor per param) and its
+        moments, and writes the new fp16/bf16 weights into the model, in one kernel launch (two
+        with --fp16-adam-stats). State layout is exactly that of ``step`` on the fp32 master, so
+        checkpoints are those of fairseq's FP16Optimizer + adam."""
+        from ..ops._adam_cuda import adam_step_cuda
+
+        if len(self.param_groups) != 1:
+            raise RuntimeError("ls_adam --ls-fused-fp16-copy supports one param group")
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"])
+        fp16_params = [p for p in fp16_params if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fp16_params]
+        if torch.is_tensor(fp32_params):  # flat master: one state, one step count, one scale
+            state = self._state_for(fp32_params)
+            state["step"] += 1
+            masters, ms, vs, copies = self._master_views(fp16_params, fp32_params, state)
+            scales = None
+            if self.fp16_stats:
+                scales = self._scales_tensor([state], fp32_params.device).expand(
+                    len(masters), 2).contiguous()
+            adam_step_cuda(masters, grads, ms, vs, step=state["step"], grad_scale=grad_scale,
+                           model_copies=copies, moment_scales=scales,
+                           shared_moment_scale=True, **hyper)
+            if self.fp16_stats:
+                state["exp_avg_scale"], state["exp_avg_sq_scale"] = scales[0, 0], scales[0, 1]
+            return
+        by_step = {}
+        for p16, g, p32 in zip(fp16_params, grads, fp32_params):
+            state = self._state_for(p32)
+            state["step"] += 1
+            by_step.setdefault(state["step"], []).append((p16, g, p32, state))
+        for step, items in by_step.items():
+            states = [it[3] for it in items]
+            scales = self._scales_tensor(states, items[0][2].device) if self.fp16_stats else None
+            adam_step_cuda([it[2].data.view(-1) for it in items], [it[1] for it in items],
+                           [s["exp_avg"].view(-1) for s in states],
+                           [s["exp_avg_sq"].view(-1) for s in states], step=step,
+                           grad_scale=grad_scale, model_copies=[it[0].data.view(-1) for it in items],
+                           moment_scales=scales, **hyper)
+            if self.fp16_stats:
+                for i, s in enumerate(states):
+                    s["exp_avg_scale"], s["exp_avg_sq_scale"] = scales[i, 0], scales[i, 1]
 
     @torch.no_grad()
     def step(self, closure=None, scale=1.0, groups=None):
@@ -124,13 +246,17 @@ class LSAdam(torch.optim.Optimizer):
                     raise RuntimeError("ls_adam does not support sparse gradients")
                 state = self._state_for(p)
                 state["step"] += 1
-                if self.fp16_stats:
-                    self._step_fp16_stats(p, state, group, state["step"], 1.0 / scale)
-                    continue
                 # tensors resumed from different checkpoints may be at different steps
                 by_step.setdefault(state["step"], []).append((p, state))
             beta1, beta2 = group["betas"]
             for step, items in by_step.items():
+                if self.fp16_stats:
+                    if self._kernels_ok([p.data for p, _ in items]):
+                        self._step_fp16_stats_fused(items, group, step, 1.0 / scale)
+                    else:
+                        for p, state in items:
+                            self._step_fp16_stats(p, state, group, step, 1.0 / scale)
+                    continue
                 ops.adam_step(
                     [p.data for p, _ in items],
                     [p.grad.data for p, _ in items],
@@ -140,3 +266,117 @@ class LSAdam(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"], step=step, grad_scale=1.0 / scale,
                 )
         return loss
+
+
+# ---- fairseq hook for --ls-fused-fp16-copy ----------------------------------------------------
+
+from fairseq.optim.fp16_optimizer import FP16Optimizer  # noqa: E402
+
+
+def _fp32_grad_norm(grads):
+    """L2 norm of fp16/bf16/fp32 grads accumulated in fp32 (what fairseq computes on its fp32
+    copy of the grads), with few launches."""
+    if len(grads) == 0:
+        return torch.tensor(0.0, device="cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    except (RuntimeError, TypeError, AttributeError):
+        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+class LSFusedFP16Optimizer(FP16Optimizer):
+    """fairseq's ``FP16Optimizer`` (``--fp16``/``--bf16``) without its per-tensor copy loops.
+
+    fairseq copies every fp16 grad into a flat fp32 buffer before the step (and to compute the
+    grad norm), and every updated fp32 master slice back into the fp16 weights after it. Here the
+    grad norm is computed from the fp16 grads (fp32 accumulation), and ``ls_adam``'s kernel reads
+    the fp16 grads, updates the fp32 master and moments and writes the fp16 weights in one
+    launch. The fp32 grad buffer is never used and is freed (4 bytes per parameter).
+
+    Same loss scaling, overflow handling (the scaler raises OverflowError from
+    ``clip_grad_norm`` before any state is touched), ``--clip-norm``, ``--update-freq`` and
+    state_dict as fairseq's FP16Optimizer + adam.
+    """
+
+    def __init__(self, cfg, params, fp32_optimizer, fp32_params, **kwargs):
+        super().__init__(cfg, params, fp32_optimizer, fp32_params, **kwargs)
+        if not isinstance(fp32_optimizer.optimizer, LSAdam):
+            raise ValueError("--ls-fused-fp16-copy needs --optimizer ls_adam")
+        if isinstance(fp32_params, dict):
+            if len(fp32_params) != 1:
+                raise ValueError("--ls-fused-fp16-copy: pipeline-parallel fp32 params (several "
+                                 "devices) are not supported")
+            self._master = next(iter(fp32_params.values()))
+            self._master.grad = None
+        else:
+            self._master = list(fp32_params)
+            for p32 in self._master:
+                p32.grad = None
+
+    def _sync_fp16_grads_to_fp32(self):
+        self._needs_sync = False  # the kernel reads the fp16 grads directly
+
+    def _sync_fp32_params_to_fp16(self):
+        pass  # the kernel writes the fp16 weights
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        grads = [p.grad for p in self.fp16_params if p.grad is not None]
+        total = _fp32_grad_norm(grads)
+        if aggregate_norm_fn is not None:
+            total = aggregate_norm_fn(total)
+        grad_norm = self._multiply_factor * total
+        if torch.is_tensor(self._multiply_factor):
+            self._multiply_factor = self._multiply_factor.to(grad_norm.device)
+        if self.scaler is not None:
+            if grad_norm > max_norm > 0.0:
+                self._multiply_factor *= max_norm / grad_norm
+            self.scaler.check_overflow(grad_norm)
+        elif max_norm > 0.0:
+            clip_coef = (max_norm / (grad_norm + 1e-6)).clamp_(max=1)
+            self._multiply_factor *= clip_coef
+        return grad_norm
+
+    def step(self, closure=None, groups=None):
+        loss = closure() if closure is not None else None
+        self.fp32_optimizer.optimizer.step_fp16_master(
+            self.fp16_params, self._master, grad_scale=self._multiply_factor)
+        if self.scaler is not None:
+            self.scaler.update()
+        return loss
+
+    def zero_grad(self):
+        for p in self.fp16_params:
+            p.grad = None
+        self._needs_sync = False
+        if self.scaler is not None:
+            self._multiply_factor = 1.0 / float(self.scaler.loss_scale)
+        else:
+            self._multiply_factor = 1.0
+
+
+def _wants_fused_copy(cfg):
+    opt = getattr(cfg, "optimizer", None)
+    return opt is not None and getattr(opt, "_name", None) == "ls_adam" and bool(
+        getattr(opt, "ls_fused_fp16_copy", False))
+
+
+def _install_fp16_optimizer_hook():
+    """fairseq's trainer calls ``optim.FP16Optimizer.build_optimizer(cfg, params)`` for --fp16 /
+    --bf16; with ``--optimizer ls_adam --ls-fused-fp16-copy`` that call builds
+    :class:`LSFusedFP16Optimizer` instead (same constructor arguments). Without the flag the
+    hook changes nothing."""
+    if getattr(FP16Optimizer.build_optimizer, "_ls_fairseq_hook", False):
+        return
+    original = FP16Optimizer.build_optimizer.__func__
+
+    def build_optimizer(cls, cfg, params, **kwargs):
+        if cls is FP16Optimizer and _wants_fused_copy(cfg):
+            cls = LSFusedFP16Optimizer
+        return original(cls, cfg, params, **kwargs)
+
+    build_optimizer._ls_fairseq_hook = True
+    FP16Optimizer.build_optimizer = classmethod(build_optimizer)
+
+
+_install_fp16_optimizer_hook()

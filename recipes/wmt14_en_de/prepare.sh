@@ -60,9 +60,21 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-for tool in sacremoses subword-nmt fairseq-preprocess; do
-    command -v "$tool" >/dev/null || die "'$tool' not found on PATH (pip install sacremoses subword-nmt fairseq-fixed)"
-done
+# the console tools, or their modules when the scripts are not on PATH (pip --user / --target)
+py_tool() {
+    local name=$1; shift
+    if command -v "$name" >/dev/null; then "$name" "$@"; return; fi
+    case "$name" in
+        fairseq-*) "$PYTHON" -m "fairseq_cli.${name#fairseq-}" "$@" ;;
+        subword-nmt) "$PYTHON" -c 'import sys; from subword_nmt.subword_nmt import main; sys.argv[0] = "subword-nmt"; main()' "$@" ;;
+        *) "$PYTHON" -m "$name" "$@" ;;
+    esac
+}
+have_tool() {  # have_tool NAME PYTHON_MODULE
+    command -v "$1" >/dev/null || "$PYTHON" -c "import $2" 2>/dev/null
+}
+have_tool sacremoses sacremoses && have_tool subword-nmt subword_nmt && have_tool fairseq-preprocess fairseq_cli \
+    || die "needs sacremoses, subword-nmt and fairseq (pip install sacremoses subword-nmt fairseq-fixed)"
 
 if [ "$NC" = v9 ]; then
     NC_URL="http://statmt.org/wmt14/training-parallel-nc-v9.tgz"
@@ -170,13 +182,13 @@ tok_parallel() {
     local nlines chunkdir
     nlines=$(wc -l < "$in")
     chunkdir=$(mktemp -d "$TMP/chunks.XXXXXX")
-    if [ "$WORKERS" -le 1 ] || [ "$nlines" -lt 10000 ]; then
-        sacremoses -l "$lang" -j 1 -q "${steps[@]}" < "$in" > "$out"
+    if [ "$WORKERS" -le 1 ] || [ "$nlines" -lt "${CHUNK_MIN_LINES:-10000}" ]; then
+        py_tool sacremoses -l "$lang" -j 1 -q "${steps[@]}" < "$in" > "$out"
     else
         split -d -a 4 -n "l/$WORKERS" "$in" "$chunkdir/in."
         local pids=() c
         for c in "$chunkdir"/in.*; do
-            sacremoses -l "$lang" -j 1 -q "${steps[@]}" < "$c" > "$chunkdir/out.${c##*/in.}" &
+            py_tool sacremoses -l "$lang" -j 1 -q "${steps[@]}" < "$c" > "$chunkdir/out.${c##*/in.}" &
             pids+=($!)
         done
         for p in "${pids[@]}"; do wait "$p" || die "tokenisation of $in failed"; done
@@ -222,12 +234,12 @@ done
 BPE_CODE=$OUT_DIR/code
 echo "learning $BPE_TOKENS joined BPE merges..."
 cat "$TMP/train.$src" "$TMP/train.$tgt" > "$TMP/train.$tgt-$src"
-subword-nmt learn-bpe -s "$BPE_TOKENS" < "$TMP/train.$tgt-$src" > "$BPE_CODE"
+py_tool subword-nmt learn-bpe -s "$BPE_TOKENS" < "$TMP/train.$tgt-$src" > "$BPE_CODE"
 rm -f "$TMP/train.$tgt-$src"
 for l in $src $tgt; do
     for f in train valid test; do
         echo "  apply-bpe $f.$l"
-        subword-nmt apply-bpe -c "$BPE_CODE" --num-workers "$WORKERS" \
+        py_tool subword-nmt apply-bpe -c "$BPE_CODE" --num-workers "$WORKERS" \
             --input "$TMP/$f.$l" --output "$TMP/bpe.$f.$l"
     done
 done
@@ -271,7 +283,7 @@ done
 # ---------------------------------------------------------------------------------------------
 echo "fairseq-preprocess --joined-dictionary..."
 rm -rf "$OUT_DIR/data-bin"
-fairseq-preprocess --source-lang $src --target-lang $tgt \
+py_tool fairseq-preprocess --source-lang $src --target-lang $tgt \
     --trainpref "$OUT_DIR/train" --validpref "$OUT_DIR/valid" --testpref "$OUT_DIR/test" \
     --destdir "$OUT_DIR/data-bin" --joined-dictionary --workers "$WORKERS"
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# quickstart.sh: install what ls-fairseq needs and run the quickstart, in one command.
+#
+#   bash scripts/quickstart.sh [ls-fairseq-quickstart options]
+#
+# 1. torch 2.13.0 from PyPI, only if this Python has no torch (an existing torch is kept: the
+#    CUDA kernels are built against whatever torch is installed);
+# 2. cython + numpy, then fairseq-fixed 0.12.3.1 (built without build isolation, so that its
+#    Cython extensions compile against the numpy installed here);
+# 3. this package with its comparison extras (pip install ".[compare]": pandas, matplotlib);
+# 4. ls-fairseq-quickstart: generates a small corpus, trains a fairseq baseline and the ls_ model
+#    for a few minutes each (GPU if there is one, else a tiny model on CPU), decodes, scores with
+#    sacreBLEU and prints the comparison table and the plot paths.
+#
+# Options after the script name go to ls-fairseq-quickstart (--help lists them), e.g.
+#   bash scripts/quickstart.sh --minutes 2 --workdir /tmp/qs
+# PYTHON=/path/to/python selects the interpreter (default: python3; use a virtualenv's).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+pip_install() { "$PYTHON" -m pip install --disable-pip-version-check "$@"; }
+
+echo "== python: $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+if "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "== torch $("$PYTHON" -c 'import torch; print(torch.__version__)') already installed: kept"
+else
+    echo "== installing torch 2.13.0"
+    pip_install torch==2.13.0
+fi
+echo "== installing cython, numpy, fairseq-fixed 0.12.3.1"
+pip_install cython numpy
+pip_install --no-build-isolation fairseq-fixed==0.12.3.1
+echo "== installing ls-fairseq from $REPO"
+pip_install "$REPO[compare]"
+
+echo "== running ls-fairseq-quickstart $*"
+exec "$PYTHON" -m ls_fairseq.cli.quickstart "$@"
