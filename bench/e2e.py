@@ -12,7 +12,8 @@ On a GPU machine this script
 
 Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy, adam),
 ``baseline_nocudnn`` (the same with cuDNN SDPA disabled, the best baseline a careful user gets by
-a setting: no per-shape plan cost), ``ls`` (the ls_ twins). Same data, seed, hyperparameters
+a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
+``--ls-fused-fp16-copy``), ``ls_plain_fp16`` (the ls_ twins under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
 (Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
 smoothing 0.1, shared embeddings), --fp16.
 
@@ -43,7 +44,10 @@ VARIANTS = {
                              criterion="label_smoothed_cross_entropy", optimizer="adam",
                              cudnn_sdpa=False),
     "ls": dict(arch="ls_transformer_wmt_en_de_big_t2t", criterion="ls_label_smoothed_cross_entropy",
-               optimizer="ls_adam", cudnn_sdpa=True),
+               optimizer="ls_adam", cudnn_sdpa=True, flags=["--ls-fused-fp16-copy"]),
+    "ls_plain_fp16": dict(arch="ls_transformer_wmt_en_de_big_t2t",
+                          criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
+                          cudnn_sdpa=True),
 }
 
 
@@ -88,7 +92,9 @@ WRAPPER = r"""
 import os, sys, atexit, torch
 if os.environ.get("BENCH_CUDNN_SDPA") == "0":
     torch.backends.cuda.enable_cudnn_sdp(False)
-atexit.register(lambda: print("BENCH_PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True))
+# fairseq resets the peak counter at every log interval and logs gb_free = total - peak since
+# the last reset; the peak of the run is total - min(gb_free)
+print("BENCH_TOTAL_BYTES", torch.cuda.get_device_properties(0).total_memory, flush=True)
 if os.environ.get("BENCH_PROFILE_AT"):
     sys.path.insert(0, os.environ["BENCH_HERE"])
     import profile_summary
@@ -114,6 +120,7 @@ def train_cmd(data, variant, max_tokens, epochs, seed, extra):
     ]
     if v["arch"].startswith("ls_"):
         cmd += ["--user-dir", os.path.join(ROOT, "ls_fairseq")]
+    cmd += v.get("flags", [])
     return cmd + list(extra)
 
 
@@ -126,14 +133,16 @@ def parse_log(text):
         else:  # end-of-epoch stats carry a "train_" prefix
             stats = {k[len("train_"):] if k.startswith("train_") else k: v for k, v in stats.items()}
             epochs[int(stats["epoch"])] = stats
-    peak = re.findall(r"BENCH_PEAK_BYTES (\d+)", text)
-    return inner, epochs, (int(peak[-1]) if peak else None)
+    total = re.findall(r"BENCH_TOTAL_BYTES (\d+)", text)
+    free = [float(s["gb_free"]) for s in inner if "gb_free" in s]
+    peak = int(total[-1]) - min(free) * 2**30 if total and free else None
+    return inner, epochs, peak
 
 
 def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
     env = dict(os.environ, BENCH_CUDNN_SDPA="1" if VARIANTS[variant]["cudnn_sdpa"] else "0",
                BENCH_HERE=HERE, PYTHONUNBUFFERED="1")
-    if variant == "ls":
+    if variant.startswith("ls"):
         env.setdefault("LS_FAIRSEQ_KERNELS", "require")
     if profile_at is not None:
         env.update(BENCH_PROFILE_AT=str(profile_at),
@@ -188,7 +197,7 @@ def markdown(rows, baseline_key):
                 lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | |")
                 continue
             ratio_u = ratio_s = mem = None
-            if name == "ls" and best_u:
+            if name.startswith("ls") and best_u:
                 ratio_u = r.get("wps_unseen", 0) / best_u
                 ratio_s = r.get("wps_steady", 0) / best_s if best_s else None
                 mem = r["peak_gb"] / base_mem if base_mem and r.get("peak_gb") else None

@@ -13,6 +13,8 @@ import time
 import torch
 
 GEMM = re.compile(r"gemm|cutlass|xmma|cublas|sm90_|hgmma|matmul|ampere_|s1688|s16816", re.I)
+_ANNOTATION = re.compile(r"^(forward|backward|optimizer|clip-grads|train_step-\d+|ProfilerStep|"
+                         r"Optimizer\.|aten::|autograd::|## )")
 ATTN = re.compile(r"flash|fmha|attention|sdpa|attn", re.I)
 
 
@@ -31,7 +33,9 @@ def _union_length(intervals):
 def summarize(prof, wall_s, steps):
     kernels = []
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
+        # GPU-side copies of record_function ranges ("forward", "optimizer", ...) are not kernels
+        if evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(
+                evt, "is_user_annotation", False) and not _ANNOTATION.match(evt.name):
             start = evt.time_range.start
             kernels.append((start, start + evt.time_range.elapsed_us(), evt.name))
     busy_us = _union_length([(s, e) for s, e, _ in kernels])

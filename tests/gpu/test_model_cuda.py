@@ -2,10 +2,10 @@
 
 fp32: kernels compute in fp32 but reduce in other orders than PyTorch/cuDNN, and fp32 GEMMs run
 without TF32 (torch's default), so outputs agree to ~1e-6; tolerance 1e-4 (relative to the
-tensor's max). fp16: both sides round activations to fp16 at different points (fused ops keep
-fp32 inside a kernel), so errors are of the order of fp16's 1e-3 resolution amplified through the
-layers; tolerance 2e-2 on outputs and 5e-2 on gradients, relative to the tensor's max.
+tensor's max). fp16: compared against fairseq in fp32 (the truth), ls_ must be no less accurate
+than fairseq in fp16 (see the test's docstring).
 """
+import copy
 import os
 import sys
 
@@ -46,34 +46,57 @@ def kernels_required(monkeypatch):
     monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "require")
 
 
+def _grad_errors(model, truth):
+    """Per-parameter gradient error of ``model`` against ``truth`` (relative to the tensor's
+    max; q/k projections relative to their block's v projection, see test_model_equivalence)."""
+    params = dict(model.named_parameters())
+    errors = {}
+    for key, p in truth.named_parameters():
+        scale = p.grad.abs().max()
+        if ".k_proj." in key or ".q_proj." in key:
+            scale = max(scale, truth.get_parameter(
+                key.replace(".k_proj.", ".v_proj.").replace(".q_proj.", ".v_proj.")).grad.abs().max())
+        diff = (params[key].grad.double() - p.grad.double()).abs().max()
+        errors[key] = float(diff / max(float(scale), 1e-30))
+    return errors
+
+
+def _run(model, batch, upstream):
+    out, _ = model(*batch)
+    (out.float() * upstream).sum().backward()
+    return out
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(torch.float32, 1e-4, 1e-3),
-                                                    (torch.float16, 2e-2, 5e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(8, 37, 29), (3, 1, 5), (16, 130, 7)])
-def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, fwd_tol, grad_tol, shape):
+def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, shape):
+    """fp32: ls_ within 1e-4 (outputs) / 1e-3 (gradients) of fairseq. fp16: both sides round to
+    fp16 at different points, so neither equals the other; the criterion is that ls_ in fp16 is
+    no further from the fp32 truth (fairseq in fp32) than fairseq in fp16 is, with a 2x margin
+    plus 1e-3 absolute slack for tensors where fairseq's own fp16 error happens to be tiny."""
     arch, extra = CONFIGS[name]
     ref, ls = build_pair(arch, dictionary, extra, seed=11)
     ls.load_state_dict(ref.state_dict())
+    truth = copy.deepcopy(ref).cuda().train()
     ref, ls = ref.cuda().to(dtype).train(), ls.cuda().to(dtype).train()
     g = torch.Generator().manual_seed(sum(shape))
     src, src_lengths, prev, _ = random_batch(dictionary, *shape, generator=g)
-    src, src_lengths, prev = src.cuda(), src_lengths.cuda(), prev.cuda()
-    ref_out, _ = ref(src, src_lengths, prev)
-    ls_out, _ = ls(src, src_lengths, prev)
+    batch = (src.cuda(), src_lengths.cuda(), prev.cuda())
+    upstream = torch.randn(src.size(0), prev.size(1), len(dictionary), generator=g).cuda()
+    truth_out = _run(truth, batch, upstream)
+    ref_out = _run(ref, batch, upstream)
+    ls_out = _run(ls, batch, upstream)
     assert torch.isfinite(ls_out).all()
-    assert rel(ls_out, ref_out) <= fwd_tol
-    upstream = torch.randn(ref_out.shape, generator=g).to(ref_out)
-    (ref_out.float() * upstream).sum().backward()
-    (ls_out.float() * upstream).sum().backward()
-    ls_params = dict(ls.named_parameters())
-    for key, p in ref.named_parameters():
-        q = ls_params[key]
-        scale = p.grad.abs().max()
-        if ".k_proj." in key or ".q_proj." in key:  # see tests/test_model_equivalence.py
-            scale = max(scale, ref.get_parameter(
-                key.replace(".k_proj.", ".v_proj.").replace(".q_proj.", ".v_proj.")).grad.abs().max())
-        err = float((q.grad.double() - p.grad.double()).abs().max() / max(float(scale), 1e-30))
-        assert err <= grad_tol, (key, err)
+    ls_grad, ref_grad = _grad_errors(ls, truth), _grad_errors(ref, truth)
+    if dtype == torch.float32:
+        assert rel(ls_out, truth_out) <= 1e-4
+        worst = max(ls_grad.items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-3, worst
+    else:
+        assert rel(ls_out, truth_out) <= 2 * rel(ref_out, truth_out) + 1e-3
+        for key, err in ls_grad.items():
+            assert err <= 2 * ref_grad[key] + 1e-3, (key, err, ref_grad[key])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
