@@ -35,6 +35,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "check.h"
+
 namespace ls_fairseq_adam {
 
 constexpr int kThreads = 256;
@@ -277,7 +279,7 @@ void launch(int64_t grid_chunks, const int64_t* table_ptr, int nseg, const Hyper
             const float* gs_ptr, int out_kind, int* found_ptr, float* max_ptr,
             at::ScalarType pt, at::ScalarType gt, at::ScalarType mt, bool stats_pass,
             cudaStream_t stream) {
-  TORCH_CHECK(grid_chunks <= static_cast<int64_t>(INT32_MAX),
+  LSF_CHECK(grid_chunks <= static_cast<int64_t>(INT32_MAX),
               "multi_tensor_adam: too many chunks for one launch");
   const dim3 grid(static_cast<unsigned>(grid_chunks));
   LS_ADAM_P_G_M(Float, Float, Float)
@@ -292,7 +294,7 @@ void launch(int64_t grid_chunks, const int64_t* table_ptr, int nseg, const Hyper
   LS_ADAM_P_G_M(BFloat16, BFloat16, Half)
   LS_ADAM_P_G_M(Half, Float, Float)
   LS_ADAM_P_G_M(BFloat16, Float, Float)
-  TORCH_CHECK(false, "multi_tensor_adam: unsupported dtype combination params=", pt,
+  LSF_CHECK(false, "multi_tensor_adam: unsupported dtype combination params=", pt,
               " grads=", gt, " moments=", mt,
               " (supported: fp32 params with fp32/fp16/bf16 grads; fp16/bf16 params with grads "
               "of the same dtype or fp32; moments fp32 or fp16)");
@@ -310,30 +312,30 @@ void run(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
          const c10::optional<at::Tensor>& moment_max, double lr, double beta1, double beta2,
          double eps, double weight_decay, double step_size, double grad_scale, bool stats_pass) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+  LSF_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "multi_tensor_adam: params, grads, exp_avgs, exp_avg_sqs must have equal lengths (",
               n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ")");
-  TORCH_CHECK(model_copies.empty() || model_copies.size() == n,
+  LSF_CHECK(model_copies.empty() || model_copies.size() == n,
               "multi_tensor_adam: model_copies must be empty or one per param");
-  TORCH_CHECK(found_inf.is_cuda() && found_inf.scalar_type() == at::kInt && found_inf.numel() >= 1,
+  LSF_CHECK(found_inf.is_cuda() && found_inf.scalar_type() == at::kInt && found_inf.numel() >= 1,
               "multi_tensor_adam: found_inf must be a CUDA int32 tensor");
   if (n == 0) return;
   const at::Device device = params[0].device();
-  TORCH_CHECK(device.is_cuda(), "multi_tensor_adam: params must be CUDA tensors");
-  TORCH_CHECK(found_inf.device() == device, "multi_tensor_adam: found_inf on the wrong device");
+  LSF_CHECK(device.is_cuda(), "multi_tensor_adam: params must be CUDA tensors");
+  LSF_CHECK(found_inf.device() == device, "multi_tensor_adam: found_inf on the wrong device");
   const at::ScalarType pt = params[0].scalar_type(), gt = grads[0].scalar_type(),
                        mt = exp_avgs[0].scalar_type();
   const at::ScalarType ot = model_copies.empty() ? at::kFloat : model_copies[0].scalar_type();
-  TORCH_CHECK(is_float_type(pt) && is_float_type(gt) && (mt == at::kFloat || mt == at::kHalf),
+  LSF_CHECK(is_float_type(pt) && is_float_type(gt) && (mt == at::kFloat || mt == at::kHalf),
               "multi_tensor_adam: unsupported dtypes");
-  TORCH_CHECK(model_copies.empty() || ot == at::kHalf || ot == at::kBFloat16,
+  LSF_CHECK(model_copies.empty() || ot == at::kHalf || ot == at::kBFloat16,
               "multi_tensor_adam: model_copies must be float16 or bfloat16");
   const bool scaled = m_scales.has_value() && m_scales->defined();
-  TORCH_CHECK(scaled == (v_scales.has_value() && v_scales->defined()),
+  LSF_CHECK(scaled == (v_scales.has_value() && v_scales->defined()),
               "multi_tensor_adam: pass both m_scales and v_scales or neither");
   if (scaled) {
     for (const auto* sc : {&*m_scales, &*v_scales}) {
-      TORCH_CHECK(sc->device() == device && sc->scalar_type() == at::kFloat && sc->is_contiguous() &&
+      LSF_CHECK(sc->device() == device && sc->scalar_type() == at::kFloat && sc->is_contiguous() &&
                       sc->dim() == 2 && sc->size(0) == static_cast<int64_t>(n) && sc->size(1) == 2,
                   "multi_tensor_adam: moment scales must be contiguous float32 [n, 2] (old, new) "
                   "on the params' device");
@@ -341,7 +343,7 @@ void run(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
   }
   const float* gs_ptr = nullptr;
   if (grad_scale_t.has_value() && grad_scale_t->defined()) {
-    TORCH_CHECK(grad_scale_t->device() == device && grad_scale_t->scalar_type() == at::kFloat &&
+    LSF_CHECK(grad_scale_t->device() == device && grad_scale_t->scalar_type() == at::kFloat &&
                     grad_scale_t->numel() == 1,
                 "multi_tensor_adam: grad_scale_t must be a one-element float32 tensor on the "
                 "params' device");
@@ -349,7 +351,7 @@ void run(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
   }
   float* max_ptr = nullptr;
   if (stats_pass) {
-    TORCH_CHECK(moment_max.has_value() && moment_max->defined() && moment_max->device() == device &&
+    LSF_CHECK(moment_max.has_value() && moment_max->defined() && moment_max->device() == device &&
                     moment_max->scalar_type() == at::kFloat && moment_max->is_contiguous() &&
                     moment_max->numel() == 2 * static_cast<int64_t>(n),
                 "multi_tensor_adam_moment_max: moment_max must be contiguous float32 [n, 2]");
@@ -366,22 +368,22 @@ void run(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
     const at::Tensor& m = exp_avgs[i];
     const at::Tensor& v = exp_avg_sqs[i];
     const int64_t numel = p.numel();
-    TORCH_CHECK(p.device() == device && g.device() == device && m.device() == device &&
+    LSF_CHECK(p.device() == device && g.device() == device && m.device() == device &&
                     v.device() == device,
                 "multi_tensor_adam: tensor ", i, " is not on ", device);
-    TORCH_CHECK(g.numel() == numel && m.numel() == numel && v.numel() == numel,
+    LSF_CHECK(g.numel() == numel && m.numel() == numel && v.numel() == numel,
                 "multi_tensor_adam: tensor ", i, " sizes differ (param ", numel, ", grad ",
                 g.numel(), ", exp_avg ", m.numel(), ", exp_avg_sq ", v.numel(), ")");
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(),
+    LSF_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(),
                 "multi_tensor_adam: tensor ", i, " is not contiguous");
-    TORCH_CHECK(p.scalar_type() == pt && g.scalar_type() == gt && m.scalar_type() == mt &&
+    LSF_CHECK(p.scalar_type() == pt && g.scalar_type() == gt && m.scalar_type() == mt &&
                     v.scalar_type() == mt,
                 "multi_tensor_adam: tensor ", i, " has dtypes differing from tensor 0 (call once "
                 "per dtype combination)");
     void* out = nullptr;
     if (!model_copies.empty()) {
       const at::Tensor& o = model_copies[i];
-      TORCH_CHECK(o.device() == device && o.numel() == numel && o.is_contiguous() &&
+      LSF_CHECK(o.device() == device && o.numel() == numel && o.is_contiguous() &&
                       o.scalar_type() == ot,
                   "multi_tensor_adam: model copy ", i, " must be a contiguous ", ot,
                   " tensor of ", numel, " elements on ", device);

@@ -30,6 +30,8 @@
 #include <string>
 #include <tuple>
 
+#include "check.h"
+
 namespace ls_fairseq_attention {
 
 constexpr int kWarp = 32;
@@ -470,24 +472,24 @@ std::string dims(at::IntArrayRef s) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "ls_fairseq attention: q, k, v must be CUDA tensors");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+  LSF_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "ls_fairseq attention: q, k, v must be CUDA tensors");
+  LSF_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               std::string("ls_fairseq attention: q, k, v must be 4-D [B, H, T, D], got ") + dims(q.sizes()) +
                   ", " + dims(k.sizes()) + ", " + dims(v.sizes()));
   const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
+  LSF_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
               std::string("ls_fairseq attention: dtype must be float16, bfloat16 or float32, got ") +
                   c10::toString(dt));
-  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, "ls_fairseq attention: q, k, v dtypes differ");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "ls_fairseq attention: q, k, v devices differ");
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1),
+  LSF_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, "ls_fairseq attention: q, k, v dtypes differ");
+  LSF_CHECK(k.device() == q.device() && v.device() == q.device(), "ls_fairseq attention: q, k, v devices differ");
+  LSF_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1),
               std::string("ls_fairseq attention: batch/head sizes differ: q ") + dims(q.sizes()) + ", k " +
                   dims(k.sizes()) + ", v " + dims(v.sizes()));
-  TORCH_CHECK(k.size(3) == q.size(3), std::string("ls_fairseq attention: q and k head dims differ: ") +
+  LSF_CHECK(k.size(3) == q.size(3), std::string("ls_fairseq attention: q and k head dims differ: ") +
                                           std::to_string(q.size(3)) + " vs " + std::to_string(k.size(3)));
-  TORCH_CHECK(k.size(2) == v.size(2), std::string("ls_fairseq attention: k and v lengths differ: ") +
+  LSF_CHECK(k.size(2) == v.size(2), std::string("ls_fairseq attention: k and v lengths differ: ") +
                                           std::to_string(k.size(2)) + " vs " + std::to_string(v.size(2)));
-  TORCH_CHECK(q.size(2) <= INT32_MAX && k.size(2) <= INT32_MAX, "ls_fairseq attention: sequence too long");
+  LSF_CHECK(q.size(2) <= INT32_MAX && k.size(2) <= INT32_MAX, "ls_fairseq attention: sequence too long");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
@@ -495,20 +497,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q
                                                              const std::optional<at::Tensor>& key_padding_mask,
                                                              bool causal, double dropout_p, bool training) {
   check_inputs(q, k, v);
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+  LSF_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
               std::string("ls_fairseq attention: dropout_p must be in [0, 1), got ") + std::to_string(dropout_p));
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
   at::Tensor kpm;
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {
     kpm = *key_padding_mask;
-    TORCH_CHECK(kpm.scalar_type() == at::kBool,
+    LSF_CHECK(kpm.scalar_type() == at::kBool,
                 std::string("ls_fairseq attention: key_padding_mask must be bool, got ") +
                     c10::toString(kpm.scalar_type()));
-    TORCH_CHECK(kpm.dim() == 2 && kpm.size(0) == B && kpm.size(1) == Tk,
+    LSF_CHECK(kpm.dim() == 2 && kpm.size(0) == B && kpm.size(1) == Tk,
                 std::string("ls_fairseq attention: key_padding_mask must be [B, Tk] = [") + std::to_string(B) +
                     ", " + std::to_string(Tk) + "], got " + dims(kpm.sizes()));
-    TORCH_CHECK(kpm.device() == q.device(), "ls_fairseq attention: key_padding_mask is on another device");
+    LSF_CHECK(kpm.device() == q.device(), "ls_fairseq attention: key_padding_mask is on another device");
     kpm = kpm.contiguous();
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
@@ -550,16 +552,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(const at::Tensor& g
   check_inputs(q, k, v);
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Tq &&
+  LSF_CHECK(grad_out.dim() == 4 && grad_out.size(0) == B && grad_out.size(1) == H && grad_out.size(2) == Tq &&
                   grad_out.size(3) == v.size(3),
               std::string("ls_fairseq attention_bwd: grad_out has shape ") + dims(grad_out.sizes()));
-  TORCH_CHECK(grad_out.scalar_type() == q.scalar_type(), "ls_fairseq attention_bwd: grad_out dtype differs from q");
-  TORCH_CHECK(probs.is_contiguous() && probs.scalar_type() == q.scalar_type() && probs.dim() == 4 &&
+  LSF_CHECK(grad_out.scalar_type() == q.scalar_type(), "ls_fairseq attention_bwd: grad_out dtype differs from q");
+  LSF_CHECK(probs.is_contiguous() && probs.scalar_type() == q.scalar_type() && probs.dim() == 4 &&
                   probs.size(0) == B && probs.size(1) == H && probs.size(2) == Tq && probs.size(3) == Tk,
               "ls_fairseq attention_bwd: probs must be the contiguous [B, H, Tq, Tk] saved by attention_fwd");
-  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.numel() == 2 && rng.is_cuda() && rng.is_contiguous(),
+  LSF_CHECK(rng.scalar_type() == at::kLong && rng.numel() == 2 && rng.is_cuda() && rng.is_contiguous(),
               "ls_fairseq attention_bwd: rng_state must be the int64 [2] CUDA tensor saved by attention_fwd");
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "ls_fairseq attention_bwd: dropout_p must be in [0, 1)");
+  LSF_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "ls_fairseq attention_bwd: dropout_p must be in [0, 1)");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor grad = at::matmul(grad_out, v.transpose(-2, -1)).contiguous();  // d(dropped), then d(scores)
   const bool dropout = dropout_p > 0.0;

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "check.h"
+
 namespace ls_fairseq_ce {
 
 constexpr int kMaxThreads = 256;
@@ -279,20 +281,20 @@ int threads_for(int64_t V, int64_t elem_size) {
 }
 
 void check_common(const at::Tensor& logits, const at::Tensor& target) {
-  TORCH_CHECK(logits.is_cuda(), "ls_cross_entropy: logits must be a CUDA tensor");
-  TORCH_CHECK(logits.dim() == 2, "ls_cross_entropy: logits must be [N, V], got ", logits.sizes());
-  TORCH_CHECK(logits.is_contiguous(), "ls_cross_entropy: logits must be contiguous");
-  TORCH_CHECK(logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16 ||
+  LSF_CHECK(logits.is_cuda(), "ls_cross_entropy: logits must be a CUDA tensor");
+  LSF_CHECK(logits.dim() == 2, "ls_cross_entropy: logits must be [N, V], got ", logits.sizes());
+  LSF_CHECK(logits.is_contiguous(), "ls_cross_entropy: logits must be contiguous");
+  LSF_CHECK(logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16 ||
                   logits.scalar_type() == at::kFloat,
               "ls_cross_entropy: logits must be float16, bfloat16 or float32, got ",
               logits.scalar_type());
-  TORCH_CHECK(target.device() == logits.device(), "ls_cross_entropy: target on ", target.device(),
+  LSF_CHECK(target.device() == logits.device(), "ls_cross_entropy: target on ", target.device(),
               " but logits on ", logits.device());
-  TORCH_CHECK(target.scalar_type() == at::kLong, "ls_cross_entropy: target must be int64");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0) && target.is_contiguous(),
+  LSF_CHECK(target.scalar_type() == at::kLong, "ls_cross_entropy: target must be int64");
+  LSF_CHECK(target.dim() == 1 && target.size(0) == logits.size(0) && target.is_contiguous(),
               "ls_cross_entropy: target must be a contiguous [N] tensor matching logits [N, V]");
-  TORCH_CHECK(logits.size(1) >= 2, "ls_cross_entropy: needs V >= 2 (label smoothing divides by V - 1)");
-  TORCH_CHECK(logits.size(0) <= static_cast<int64_t>(INT32_MAX),
+  LSF_CHECK(logits.size(1) >= 2, "ls_cross_entropy: needs V >= 2 (label smoothing divides by V - 1)");
+  LSF_CHECK(logits.size(0) <= static_cast<int64_t>(INT32_MAX),
               "ls_cross_entropy: more than 2^31-1 rows");
 }
 
@@ -302,7 +304,7 @@ void check_common(const at::Tensor& logits, const at::Tensor& target) {
       case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }             \
       case at::kHalf: { using scalar_t = __half; return __VA_ARGS__(); }             \
       case at::kBFloat16: { using scalar_t = __nv_bfloat16; return __VA_ARGS__(); }  \
-      default: TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE);               \
+      default: LSF_CHECK(false, NAME, ": unsupported dtype ", TYPE);               \
     }                                                                                \
   }()
 
@@ -338,10 +340,10 @@ const float* grad_ptr(const c10::optional<at::Tensor>& g, int64_t N, int64_t* st
                       const at::Tensor& logits, const char* what) {
   *stride = 0;
   if (!g.has_value() || !g->defined()) return nullptr;
-  TORCH_CHECK(g->scalar_type() == at::kFloat, "ls_cross_entropy_bwd: ", what, " must be float32");
-  TORCH_CHECK(g->device() == logits.device(), "ls_cross_entropy_bwd: ", what, " on wrong device");
+  LSF_CHECK(g->scalar_type() == at::kFloat, "ls_cross_entropy_bwd: ", what, " must be float32");
+  LSF_CHECK(g->device() == logits.device(), "ls_cross_entropy_bwd: ", what, " on wrong device");
   if (g->numel() == 1) return g->data_ptr<float>();
-  TORCH_CHECK(g->dim() == 1 && g->size(0) == N, "ls_cross_entropy_bwd: ", what,
+  LSF_CHECK(g->dim() == 1 && g->size(0) == N, "ls_cross_entropy_bwd: ", what,
               " must have one element or N elements, got ", g->sizes());
   *stride = g->stride(0);
   return g->data_ptr<float>();
@@ -353,10 +355,10 @@ void ce_bwd_launch(const c10::optional<at::Tensor>& grad_loss,
                    int64_t ignore_index, at::Tensor& out) {
   check_common(logits, target);
   const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 1 && lse.size(0) == N &&
+  LSF_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 1 && lse.size(0) == N &&
                   lse.is_contiguous() && lse.device() == logits.device(),
               "ls_cross_entropy_bwd: lse must be a contiguous float32 [N] tensor on the logits' device");
-  TORCH_CHECK(out.sizes() == logits.sizes() && out.scalar_type() == logits.scalar_type() &&
+  LSF_CHECK(out.sizes() == logits.sizes() && out.scalar_type() == logits.scalar_type() &&
                   out.is_contiguous(),
               "ls_cross_entropy_bwd: bad output tensor");
   if (N == 0) return;

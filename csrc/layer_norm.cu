@@ -35,36 +35,10 @@
 #include <string>
 #include <type_traits>
 
+#include "check.h"
+
 namespace {
 
-// Error messages are built with std::to_string / std::string only and handed to TORCH_CHECK as
-// one string: formatting numbers through std::ostream inside this extension crashed (SIGSEGV in
-// basic_ostream::_M_insert<long>) on the GPU machine, whose toolchain puts a second copy of
-// libstdc++'s stream code into the extension. TORCH_CHECK with a single std::string argument
-// does no stream formatting here.
-inline void lsf_append(std::string& s, const char* v) { s += v; }
-inline void lsf_append(std::string& s, const std::string& v) { s += v; }
-inline void lsf_append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
-inline void lsf_append(std::string& s, at::IntArrayRef v) {
-  s += '[';
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  s += ']';
-}
-inline void lsf_append(std::string& s, double v) { s += std::to_string(v); }
-template <typename I, typename std::enable_if<std::is_integral<I>::value, int>::type = 0>
-inline void lsf_append(std::string& s, I v) {
-  s += std::to_string(v);
-}
-template <typename... A>
-std::string lsf_message(const A&... a) {
-  std::string s;
-  (lsf_append(s, a), ...);
-  return s;
-}
-#define LSF_CHECK(cond, ...) TORCH_CHECK(cond, lsf_message(__VA_ARGS__))
 
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;    // warp-per-row kernels
