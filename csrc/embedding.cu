@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "check.h"
+#include "device_utils.cuh"
 
 namespace {
 
@@ -50,93 +51,7 @@ constexpr int kLanes = 32;
 constexpr int kRowThreads = 8;
 constexpr int kSegThreads = 128;
 
-// ---------------------------------------------------------------- dtype helpers
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <int VEC>
-struct Chunk {
-  static constexpr int W = VEC >= 4 ? VEC : 4;
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load_chunk(const T* __restrict__ p, int64_t col0, int64_t C,
-                                           float (&out)[Chunk<VEC>::W]) {
-  constexpr int W = Chunk<VEC>::W;
-  if constexpr (VEC == W) {
-    const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p + col0);
-#pragma unroll
-    for (int i = 0; i < W; ++i) out[i] = to_float(pk.v[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < W; ++i) out[i] = (col0 + i < C) ? to_float(p[col0 + i]) : 0.f;
-  }
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_chunk(T* __restrict__ p, int64_t col0, int64_t C,
-                                            const float (&in)[Chunk<VEC>::W]) {
-  constexpr int W = Chunk<VEC>::W;
-  if constexpr (VEC == W) {
-    Pack<T, VEC> pk;
-#pragma unroll
-    for (int i = 0; i < W; ++i) pk.v[i] = from_float<T>(in[i]);
-    *reinterpret_cast<Pack<T, VEC>*>(p + col0) = pk;
-  } else {
-#pragma unroll
-    for (int i = 0; i < W; ++i)
-      if (col0 + i < C) p[col0 + i] = from_float<T>(in[i]);
-  }
-}
-
-// ---------------------------------------------------------------- Philox4x32-10
-__device__ __forceinline__ uint4 philox4x32_10(uint64_t seed, uint64_t subsequence,
-                                               uint64_t counter) {
-  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
-  uint32_t c2 = static_cast<uint32_t>(subsequence), c3 = static_cast<uint32_t>(subsequence >> 32);
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
-    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return make_uint4(c0, c1, c2, c3);
-}
-
-template <int W>
-__device__ __forceinline__ void keep_mask(uint64_t seed, uint64_t offset, int64_t row,
-                                          int64_t col0, int64_t C, uint32_t threshold,
-                                          bool (&keep)[W]) {
-  const uint64_t group0 = static_cast<uint64_t>(row) * static_cast<uint64_t>((C + 3) / 4) +
-                          static_cast<uint64_t>(col0 / 4);
-#pragma unroll
-  for (int q = 0; q < W / 4; ++q) {
-    const uint4 r = philox4x32_10(seed, group0 + q, offset / 4);
-    keep[4 * q + 0] = r.x >= threshold;
-    keep[4 * q + 1] = r.y >= threshold;
-    keep[4 * q + 2] = r.z >= threshold;
-    keep[4 * q + 3] = r.w >= threshold;
-  }
-}
+using namespace lsf;  // device helpers from device_utils.cuh
 
 struct DropoutArgs {
   bool enabled;

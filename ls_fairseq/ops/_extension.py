@@ -17,6 +17,7 @@ The build result is process-wide on purpose (a shared library is loaded once per
 layer keeps state here.
 """
 import glob
+import hashlib
 import logging
 import os
 import threading
@@ -66,6 +67,16 @@ def source_files(directory: str):
     )
 
 
+def _sources_digest(directory: str) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(directory, "*"))):
+        if path.endswith((".cu", ".cpp", ".h", ".cuh")):
+            digest.update(os.path.basename(path).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
 def _arch_flags():
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
@@ -81,7 +92,9 @@ def _build():
         raise RuntimeError("nvcc was not found (set CUDA_HOME)")
     directory = csrc_dir()
     cpp_extension.load(
-        name=EXTENSION_NAME,
+        # torch rebuilds when a listed source changes, but not when a header does: name the build
+        # after a digest of every file in csrc/ so any change gets its own build
+        name=f"{EXTENSION_NAME}_{_sources_digest(directory)}",
         sources=source_files(directory),
         extra_include_paths=[directory],
         extra_cflags=list(CXX_FLAGS),
