@@ -41,6 +41,7 @@
 #include <type_traits>
 
 #include "check.h"
+#include "launch_utils.h"
 #include "device_utils.cuh"
 
 namespace {
@@ -49,7 +50,7 @@ namespace {
 constexpr int kLanes = 32;
 constexpr int kRowThreads = 8;
 
-using namespace lsf;  // device helpers from device_utils.cuh
+using namespace lsf;  // helpers from device_utils.cuh / launch_utils.h
 
 struct DropoutArgs {
   bool enabled;
@@ -119,33 +120,8 @@ int act_code(const std::string& name) {
 }
 
 // ---------------------------------------------------------------- launch helpers
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
-}
 
-template <typename Kernel>
-dim3 grid_for(Kernel kernel, int64_t rows, int64_t units, int device) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                               kLanes * kRowThreads, 0));
-  const int64_t gx = (units + kLanes - 1) / kLanes;
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
-  int64_t gy = std::max<int64_t>(1, resident / std::max<int64_t>(gx, 1));
-  gy = std::min<int64_t>(gy, (rows + kRowThreads - 1) / kRowThreads);
-  gy = std::max<int64_t>(1, std::min<int64_t>(gy, 65535));
-  LSF_CHECK(gx <= 2147483647, "ls_fairseq: hidden size too large");
-  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1);
-}
 
-template <typename T>
-bool aligned16(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
 
 // Sum of per-block column partials [chunks, C] (float) into out [C] (T). Block (32, 32):
 // threadIdx.x picks the column, threadIdx.y a strided subset of the chunks; the 32 subtotals are
@@ -190,26 +166,6 @@ __device__ __forceinline__ void write_partial(const float (&acc)[W], float* __re
   }
 }
 
-#define LSF_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                              \
-  [&] {                                                                                         \
-    switch (DTYPE) {                                                                            \
-      case at::ScalarType::Float: {                                                             \
-        using T = float;                                                                        \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case at::ScalarType::Half: {                                                              \
-        using T = __half;                                                                       \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case at::ScalarType::BFloat16: {                                                          \
-        using T = __nv_bfloat16;                                                                \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      default:                                                                                  \
-        LSF_CHECK(false, NAME, ": unsupported dtype ", DTYPE,                                 \
-                    " (expected float32, float16 or bfloat16)");                                \
-    }                                                                                           \
-  }()
 
 // ================================================================ bias + dropout + residual
 template <typename T, int VEC>
@@ -394,14 +350,6 @@ void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x, int6
               " differs from x dtype ", x.scalar_type());
 }
 
-template <typename T>
-bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
-  constexpr int V = 16 / sizeof(T);
-  if (C % V != 0) return false;
-  for (const void* p : ptrs)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
 
 at::Tensor finish_bias_grad(const at::Tensor& partial, int64_t C, const at::Tensor& like,
                             cudaStream_t stream) {
@@ -446,7 +394,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_fwd(const at::Tensor& x
     const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
     T* op = reinterpret_cast<T*>(out.data_ptr());
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
       kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(xp, bp, rp, op, g.rows, g.C, drop,
                                                              philox, rng.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -484,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_bwd(const at::Tensor& g
     const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
     T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
       at::Tensor partial;
       if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
       kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
@@ -530,7 +478,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_fwd(const at::Tensor& x_in,
     const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
     T* op = reinterpret_cast<T*>(out.data_ptr());
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
       kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(xp, bp, op, g.rows, g.C, drop, philox,
                                                              rng.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -584,7 +532,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_i
     const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
     T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for(kernel, g.rows, (g.C + W - 1) / W, dev);
+      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
       at::Tensor partial;
       if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
       kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "check.h"
+#include "launch_utils.h"
 #include "device_utils.cuh"
 
 namespace {
@@ -51,7 +52,7 @@ constexpr int kLanes = 32;
 constexpr int kRowThreads = 8;
 constexpr int kSegThreads = 128;
 
-using namespace lsf;  // device helpers from device_utils.cuh
+using namespace lsf;  // helpers from device_utils.cuh / launch_utils.h
 
 struct DropoutArgs {
   bool enabled;
@@ -243,58 +244,9 @@ __global__ void cast_kernel(const float* __restrict__ in, T* __restrict__ out, i
 }
 
 // ---------------------------------------------------------------- host side
-#define LSF_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                              \
-  [&] {                                                                                         \
-    switch (DTYPE) {                                                                            \
-      case at::ScalarType::Float: {                                                             \
-        using T = float;                                                                        \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case at::ScalarType::Half: {                                                              \
-        using T = __half;                                                                       \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case at::ScalarType::BFloat16: {                                                          \
-        using T = __nv_bfloat16;                                                                \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      default:                                                                                  \
-        LSF_CHECK(false, NAME, ": unsupported dtype ", DTYPE,                                 \
-                    " (expected float32, float16 or bfloat16)");                                \
-    }                                                                                           \
-  }()
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
-}
 
-template <typename Kernel>
-dim3 grid_for(Kernel kernel, int64_t rows, int64_t units, int device) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                               kLanes * kRowThreads, 0));
-  const int64_t gx = (units + kLanes - 1) / kLanes;
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
-  int64_t gy = std::max<int64_t>(1, resident / std::max<int64_t>(gx, 1));
-  gy = std::min<int64_t>(gy, (rows + kRowThreads - 1) / kRowThreads);
-  gy = std::max<int64_t>(1, std::min<int64_t>(gy, 65535));
-  LSF_CHECK(gx <= 2147483647, "ls_fairseq embedding: hidden size too large");
-  return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1);
-}
 
-template <typename T>
-bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
-  constexpr int V = 16 / sizeof(T);
-  if (C % V != 0) return false;
-  for (const void* p : ptrs)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
 
 int64_t normalize_pad(int64_t padding_idx, int64_t rows) {
   return padding_idx < 0 ? padding_idx + rows : padding_idx;
@@ -379,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_fwd(const at::Tensor& tokens,
     const T* pp = in.P.defined() ? reinterpret_cast<const T*>(in.P.data_ptr()) : nullptr;
     T* op = reinterpret_cast<T*>(out.data_ptr());
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for(kernel, in.rows, (in.C + W - 1) / W, dev);
+      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, in.rows, (in.C + W - 1) / W, dev);
       kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(lk, ep, pp, op, in.rows, in.C,
                                                              static_cast<float>(scale), drop, philox,
                                                              rng.data_ptr<int64_t>());
@@ -463,7 +415,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(
       if (token_grad) aE = is_float ? gE : at::zeros({V, in.C}, in.E.options().dtype(at::kFloat));
       if (pos_grad) aP = is_float ? gP : at::zeros({NP, in.C}, in.E.options().dtype(at::kFloat));
       auto launch = [&](auto kernel, int W) {
-        const dim3 grid = grid_for(kernel, in.rows, (in.C + W - 1) / W, dev);
+        const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, in.rows, (in.C + W - 1) / W, dev);
         kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
             lk, gp, token_grad ? aE.data_ptr<float>() : nullptr,
             pos_grad ? aP.data_ptr<float>() : nullptr, in.rows, in.C, static_cast<float>(scale),

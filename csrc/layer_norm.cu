@@ -36,8 +36,11 @@
 #include <type_traits>
 
 #include "check.h"
+#include "launch_utils.h"
 
 namespace {
+
+using namespace lsf;  // helpers from launch_utils.h
 
 
 constexpr int kWarp = 32;
@@ -438,44 +441,8 @@ __global__ void __launch_bounds__(1024)
 }
 
 // ---------------------------------------------------------------- host side
-#define LSF_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                              \
-  [&] {                                                                                         \
-    switch (DTYPE) {                                                                            \
-      case at::ScalarType::Float: {                                                             \
-        using T = float;                                                                        \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case at::ScalarType::Half: {                                                              \
-        using T = __half;                                                                       \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case at::ScalarType::BFloat16: {                                                          \
-        using T = __nv_bfloat16;                                                                \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      default:                                                                                  \
-        LSF_CHECK(false, NAME, ": unsupported dtype ", DTYPE,                                 \
-                    " (expected float32, float16 or bfloat16)");                                \
-    }                                                                                           \
-  }()
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
-}
 
-template <typename T>
-bool use_vec(int64_t C, std::initializer_list<const void*> ptrs) {
-  constexpr int V = 16 / sizeof(T);
-  if (C % V != 0) return false;
-  for (const void* p : ptrs)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
 
 // Vectors per lane for the warp kernels (1, 2, 4 or 8), or 0 for the block kernels.
 int vectors_per_lane(int nvec) {
