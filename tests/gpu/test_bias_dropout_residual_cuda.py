@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from kernel_oracle import close, norm_close, philox_keep
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops.bias_dropout_residual import (
     bias_dropout_residual,
@@ -34,59 +35,18 @@ pytestmark = [
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+
+
+def _close(ours, truth, dtype, what):
+    close(ours, truth, TOL[dtype], what)
+
+
+def _norm_close(ours, truth, dtype, what, terms=None):
+    norm_close(ours, truth, TOL[dtype], what, terms)
 # (rows, C): scalar path (C % 8 != 0 for 16-bit, C % 4 != 0 for fp32) and 16-byte vectors,
 # one row .. 32k rows, and empty input
 SHAPES = [(1, 1), (3, 7), (5, 17), (64, 512), (257, 1000), (33, 1026), (4096, 1024), (7, 4096),
           (32768, 512), (0, 64)]
-
-M32 = 0xFFFFFFFF
-
-
-def _mulhilo(a, m):
-    """(hi, lo) 32-bit halves of a * m for int64 tensors a < 2^32 and a constant m < 2^32,
-    without int64 overflow."""
-    mh, ml = m >> 16, m & 0xFFFF
-    t1, t0 = a * mh, a * ml
-    s = t0 + ((t1 & 0xFFFF) << 16)
-    return (t1 >> 16) + (s >> 32), s & M32
-
-
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    for _ in range(10):
-        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
-        hi1, lo1 = _mulhilo(c2, 0xCD9E8D57)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
-    return c0, c1, c2, c3
-
-
-def philox_keep(rng, rows, C, p):
-    """Keep mask [rows, C] the kernels draw for (seed, offset) = rng."""
-    seed, offset = [int(v) & (2**64 - 1) for v in rng.tolist()]
-    groups = (C + 3) // 4
-    g = torch.arange(rows * groups, device="cuda", dtype=torch.int64)
-    ctr = offset // 4
-    words = philox4x32_10(
-        torch.full_like(g, ctr & M32), torch.full_like(g, (ctr >> 32) & M32), g & M32,
-        (g >> 32) & M32, seed & M32, (seed >> 32) & M32,
-    )
-    words = torch.stack(words, 1).reshape(rows, groups * 4)[:, :C]
-    threshold = min(math.floor(p * 2**32), 2**32 - 1)
-    return words >= threshold
-
-
-def test_philox_oracle_known_answers():
-    # Random123 known-answer vectors for Philox4x32-10
-    cases = [
-        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-        ((M32, M32, M32, M32), (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-    ]
-    for ctr, key, expected in cases:
-        c = [torch.tensor([v], dtype=torch.int64) for v in ctr]
-        out = philox4x32_10(*c, key[0], key[1])
-        assert tuple(int(o) for o in out) == expected
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,29 +64,6 @@ def _inputs(rows, C, dtype, bias=True):
     r = torch.randn(rows, C, device="cuda").to(dtype).requires_grad_()
     g = torch.randn(rows, C, device="cuda").to(dtype)
     return x, b, r, g
-
-
-def _close(ours, truth, dtype, what):
-    tol = TOL[dtype]
-    ours = ours.double()
-    assert torch.isfinite(ours).all(), f"{what}: non-finite values"
-    bad = (ours - truth).abs() > tol * (1 + truth.abs())
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements off, max err "
-        f"{(ours - truth).abs().max().item():.3g}"
-    )
-
-
-def _norm_close(ours, truth, dtype, what, terms=None):
-    """||ours - truth|| <= tol * scale. For a column sum, ``terms`` are the summed rows of the
-    upstream gradient: 1% of their absolute sum is added to the scale, since a float32 term can
-    only be as exact as its factors (erf-GELU's derivative in its tails carries an absolute error
-    of ~1e-7 |g|, large relative to the tiny derivative there)."""
-    err = (ours.double() - truth).norm().item()
-    scale = truth.norm().item() + 1e-6 * truth.numel() ** 0.5
-    if terms is not None:
-        scale += 0.01 * terms.abs().sum(0).norm().item()
-    assert err <= TOL[dtype] * scale, f"{what}: relative error {err / scale:.3g}"
 
 
 def _check(rows, C, dtype, p, train, bias=True):

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_oracle import close, norm_close, philox_keep
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops.embedding import transformer_embedding, transformer_embedding_reference
 
@@ -32,46 +33,18 @@ pytestmark = [
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+
+
+def _close(ours, truth, dtype, what):
+    close(ours, truth, TOL[dtype], what)
+
+
+def _norm_close(ours, truth, dtype, what, terms=None):
+    norm_close(ours, truth, TOL[dtype], what, terms)
 PAD = 1
 # (batch, time, vocab, C): tiny vocabularies (heavy repetition), odd C (scalar path), 1 .. 32k tokens
 CASES = [(1, 1, 10, 8), (3, 7, 5, 17), (8, 33, 100, 512), (4, 50, 1000, 1000), (2, 5, 7, 1026),
          (64, 64, 32000, 1024), (512, 64, 8, 512)]
-
-M32 = 0xFFFFFFFF
-
-
-def _mulhilo(a, m):
-    """(hi, lo) 32-bit halves of a * m for int64 tensors a < 2^32 and a constant m < 2^32,
-    without int64 overflow."""
-    mh, ml = m >> 16, m & 0xFFFF
-    t1, t0 = a * mh, a * ml
-    s = t0 + ((t1 & 0xFFFF) << 16)
-    return (t1 >> 16) + (s >> 32), s & M32
-
-
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    for _ in range(10):
-        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
-        hi1, lo1 = _mulhilo(c2, 0xCD9E8D57)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
-    return c0, c1, c2, c3
-
-
-def philox_keep(rng, rows, C, p):
-    """Keep mask [rows, C] the kernels draw for (seed, offset) = rng."""
-    seed, offset = [int(v) & (2**64 - 1) for v in rng.tolist()]
-    groups = (C + 3) // 4
-    g = torch.arange(rows * groups, device="cuda", dtype=torch.int64)
-    ctr = offset // 4
-    words = philox4x32_10(
-        torch.full_like(g, ctr & M32), torch.full_like(g, (ctr >> 32) & M32), g & M32,
-        (g >> 32) & M32, seed & M32, (seed >> 32) & M32,
-    )
-    words = torch.stack(words, 1).reshape(rows, groups * 4)[:, :C]
-    threshold = min(math.floor(p * 2**32), 2**32 - 1)
-    return words >= threshold
-
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,24 +105,6 @@ def _truth(tokens, positions, E, P, scale, keep, p, zero_pad, g):
         x = x * (1 - tokens.eq(PAD).unsqueeze(-1).double())
     x.backward(g.double())
     return x.detach(), E64.grad, (P64.grad if P64 is not None and P64.requires_grad else None)
-
-
-def _close(ours, truth, dtype, what):
-    tol = TOL[dtype]
-    ours = ours.double()
-    assert torch.isfinite(ours).all(), f"{what}: non-finite values"
-    bad = (ours - truth).abs() > tol * (1 + truth.abs())
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements off, max err "
-        f"{(ours - truth).abs().max().item():.3g}"
-    )
-
-
-def _norm_close(ours, truth, dtype, what):
-    assert ours.shape == truth.shape, what
-    err = (ours.double() - truth).norm().item()
-    scale = truth.norm().item() + 1e-6 * truth.numel() ** 0.5
-    assert err <= TOL[dtype] * scale, f"{what}: relative error {err / scale:.3g}"
 
 
 def _run(B, T, V, C, dtype, pos_kind, p, train, zero_pad, deterministic, monkeypatch):
