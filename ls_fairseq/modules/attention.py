@@ -48,18 +48,25 @@ def _merge_heads(ctx: Tensor) -> Tensor:
     return ctx.transpose(1, 2).reshape(b, t, h * d)
 
 
-@with_incremental_state
-class SelfAttention(nn.Module):
-    """Self-attention with one fused QKV projection; causal and incremental for the decoder."""
+class _Attention(nn.Module):
+    """Heads, attention dropout and fairseq's four projections, shared by both kinds."""
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+    def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float):
         super().__init__()
         _check_heads(embed_dim, num_heads)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.dropout = dropout
-        _projections(self, embed_dim, embed_dim, embed_dim)
+        _projections(self, embed_dim, kdim, vdim)
+
+
+@with_incremental_state
+class SelfAttention(_Attention):
+    """Self-attention with one fused QKV projection; causal and incremental for the decoder."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+        super().__init__(embed_dim, num_heads, embed_dim, embed_dim, dropout)
 
     def qkv_weight_and_bias(self):
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
@@ -118,7 +125,7 @@ class SelfAttention(nn.Module):
         return incremental_state
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_Attention):
     """Decoder-to-encoder attention. Keys/values are computed outside, for all layers at once.
 
     ``k_proj``/``v_proj`` live here (fairseq's ``encoder_attn.k_proj``...), but the decoder's
@@ -126,13 +133,7 @@ class CrossAttention(nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float = 0.0):
-        super().__init__()
-        _check_heads(embed_dim, num_heads)
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
-        self.dropout = dropout
-        _projections(self, embed_dim, kdim, vdim)
+        super().__init__(embed_dim, num_heads, kdim, vdim, dropout)
 
     def forward(self, x: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
                 need_weights: bool = False):

@@ -36,6 +36,3 @@ class LayerBatchedEncoderKV(nn.Module):
         # per layer), which then feeds the two GEMMs of F.linear's backward
         parts = [t.transpose(1, 2) for t in kv.unbind(2)]
         return [(parts[2 * i], parts[2 * i + 1]) for i in range(len(parts) // 2)]
-
-    def forward(self, encoder_out: Tensor, attns: Sequence[CrossAttention]):
-        return self.split(self.project(encoder_out, attns))
