@@ -66,23 +66,12 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def forward(self, model, sample, reduce=True):
         if self.ls_fused_output_ce and reduce:
             return self._forward_fused_output(model, sample)
+        if not reduce:  # per-token losses: fairseq's own path
+            return super().forward(model, sample, reduce=False)
         net_output = model(**sample["net_input"])
-        logits = net_output[0]
-        if not (reduce and logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                and ops._extension.use_kernels(logits)
-                and ops._extension.has_op("ls_cross_entropy_fwd")):
-            loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
-            n_correct = total = None
-            if self.report_accuracy:
-                n_correct, total = self.compute_accuracy(model, net_output, sample)
-            sample_size, logging_output = self._logging_output(loss, nll_loss, sample,
-                                                               n_correct, total)
-            return loss, sample_size, logging_output
-        # GPU: one pass for loss, nll and argmax; the backward overwrites the logits buffer
-        from ..ops._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda
-
         logits, target = self.get_logits_and_target(model, net_output, sample)
-        loss_rows, nll_rows, argmax = label_smoothed_cross_entropy_rows_cuda(
+        # one pass for loss, nll and argmax; on the GPU the backward overwrites the logits buffer
+        loss_rows, nll_rows, argmax = ops.label_smoothed_cross_entropy_rows(
             logits, target, self.eps, self.padding_idx, compute_argmax=self.report_accuracy,
             inplace_backward=True)
         del net_output, logits

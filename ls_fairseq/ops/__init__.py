@@ -8,7 +8,12 @@ from .adam import adam_step, adam_step_reference
 from .attention import attention, attention_packed, attention_reference
 from .bias_act_dropout import bias_act_dropout, bias_act_dropout_reference
 from .bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_reference
-from .cross_entropy import label_smoothed_cross_entropy, label_smoothed_cross_entropy_reference
+from .cross_entropy import (
+    label_smoothed_cross_entropy,
+    label_smoothed_cross_entropy_reference,
+    label_smoothed_cross_entropy_rows,
+    label_smoothed_cross_entropy_rows_reference,
+)
 from .embedding import transformer_embedding, transformer_embedding_reference
 from .layer_norm import layer_norm, layer_norm_reference
 
@@ -24,6 +29,8 @@ __all__ = [
     "bias_dropout_residual_reference",
     "label_smoothed_cross_entropy",
     "label_smoothed_cross_entropy_reference",
+    "label_smoothed_cross_entropy_rows",
+    "label_smoothed_cross_entropy_rows_reference",
     "layer_norm",
     "layer_norm_reference",
     "transformer_embedding",

@@ -29,6 +29,38 @@ def label_smoothed_cross_entropy_reference(logits, target, epsilon: float, ignor
     return loss, nll_loss
 
 
+def label_smoothed_cross_entropy_rows_reference(logits, target, epsilon: float, ignore_index: int,
+                                                compute_argmax: bool = False):
+    """Per-token terms of the same formula: logits [N, V], target [N] -> fp32 (loss [N],
+    nll [N], argmax [N] or None); rows whose target is ``ignore_index`` are zero."""
+    lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    pad_mask = target.eq(ignore_index)
+    nll = (-lprobs.gather(dim=-1, index=target.unsqueeze(-1)).squeeze(-1)).masked_fill(pad_mask, 0.0)
+    smooth = (-lprobs.sum(dim=-1)).masked_fill(pad_mask, 0.0)
+    eps_i = epsilon / (lprobs.size(-1) - 1)
+    loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
+    return loss, nll, (logits.argmax(-1) if compute_argmax else None)
+
+
+def label_smoothed_cross_entropy_rows(logits, target, epsilon: float, ignore_index: int,
+                                      compute_argmax: bool = False, inplace_backward: bool = False):
+    """Per-token losses, nll and (optionally) argmax in one pass over the logits.
+
+    ``inplace_backward``: the CUDA backward may write the gradient over the logits buffer, so the
+    caller must not read the logits after backward (the criterion drops them at once).
+    """
+    if (logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and _extension.use_kernels(logits) and _extension.has_op("ls_cross_entropy_fwd")):
+        from ._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda
+
+        loss, nll, argmax = label_smoothed_cross_entropy_rows_cuda(
+            logits, target, epsilon, ignore_index, compute_argmax=compute_argmax,
+            inplace_backward=inplace_backward)
+        return loss, nll, (argmax if compute_argmax else None)
+    return label_smoothed_cross_entropy_rows_reference(logits, target, epsilon, ignore_index,
+                                                       compute_argmax)
+
+
 def label_smoothed_cross_entropy(logits, target, epsilon: float, ignore_index: int):
     if _extension.use_kernels(logits) and _extension.has_op("ls_cross_entropy_fwd"):
         from ._cross_entropy_cuda import label_smoothed_cross_entropy_cuda
