@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension, run GPU tests, run the end-to-end benchmark.
-#   device: source .gpu/setup.sh && bash bench/device_run.sh "<pytest args or 'none'>" <e2e args...>
+#   device: source .gpu/setup.sh && LS_BENCH_COMMIT=<commit> bash bench/device_run.sh "<pytest args or 'none'>" <e2e args...>
+# (the device has no .git: name the commit being measured in LS_BENCH_COMMIT)
 # Logs land in $OUT (the device tool's result folder) or ./out.
 set -uo pipefail
 OUT=${OUT:-out}

@@ -275,8 +275,10 @@ def main():
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
+    commit = os.environ.get("LS_BENCH_COMMIT") or subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+        text=True).stdout.strip() or "unknown"
     table = markdown(rows, "baseline")
     header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
               f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n")
