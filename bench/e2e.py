@@ -228,6 +228,12 @@ def profile_markdown(profiles):
         if p.get("profile"):
             lines.append(f"\nTop kernels, {p['variant']} (ms/update): " + "; ".join(
                 f"{n} {v:.2f}" for n, v in p["profile"]["top_kernels_ms_per_step"][:8]))
+            if "host_ms_per_step_by_phase" in p["profile"]:
+                s = p["profile"]
+                lines.append(f"\nHost ms/update, {p['variant']}: " + "; ".join(
+                    f"{k} {v:.1f}" for k, v in s["host_ms_per_step_by_phase"].items())
+                    + f"; blocked on the GPU {s['host_wait_ms_per_step']:.1f}. Top host ops: "
+                    + "; ".join(f"{n} {v:.2f} ({c:.0f}x)" for n, v, c in s["top_host_ops_ms_per_step"][:10]))
     return "\n".join(lines)
 
 

@@ -63,7 +63,34 @@ def summarize(prof, wall_s, steps):
         "top_kernels_ms_per_step": sorted(((n[:90], v / steps / 1e3) for n, v in per_name.items()),
                                           key=lambda x: -x[1])[:15],
     }
+    out.update(host_summary(prof, steps))
     return out
+
+
+# fairseq's own record_function ranges in Trainer.train_step / task.train_step
+HOST_RANGES = ("forward", "backward", "reduce-grads", "multiply-grads", "clip-grads", "optimizer")
+# host time spent waiting for the GPU (synchronising calls)
+WAITS = re.compile(r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaMemcpy|cudaEventSynchronize|"
+                   r"_local_scalar_dense")
+
+
+def host_summary(prof, steps):
+    """Host (CPU) time per update inside fairseq's phases, time blocked on the GPU, and the ops
+    with the most self CPU time."""
+    ranges = {name: 0.0 for name in HOST_RANGES}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CPU and evt.name in ranges:
+            ranges[evt.name] += evt.time_range.elapsed_us()
+    averages = prof.key_averages()
+    waits = sum(e.self_cpu_time_total for e in averages if WAITS.search(e.key))
+    top = sorted((e for e in averages if e.self_cpu_time_total > 0),
+                 key=lambda e: -e.self_cpu_time_total)[:15]
+    return {
+        "host_ms_per_step_by_phase": {k: v / steps / 1e3 for k, v in ranges.items()},
+        "host_wait_ms_per_step": waits / steps / 1e3,
+        "top_host_ops_ms_per_step": [(e.key[:70], e.self_cpu_time_total / steps / 1e3,
+                                      e.count / steps) for e in top],
+    }
 
 
 def install(at, steps, out_path=None):
