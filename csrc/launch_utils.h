@@ -36,7 +36,8 @@
 
 namespace lsf {
 
-int sm_count(int device) {
+// inline: this header is included by several translation units of one extension
+inline int sm_count(int device) {
   static int cached[64] = {0};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int n = 0;

@@ -6,8 +6,10 @@ else would notice. This test compiles each file on its own (``nvcc -c``, no link
 of the JIT build, taken from torch's own build-file writer for ``_extension._build``'s arguments
 (torch's nvcc flags: no implicit half/bfloat16 conversions, relaxed constexpr; the C++ standard
 torch chooses; ``_extension.CUDA_FLAGS`` / ``CXX_FLAGS``; the extension defines and include
-paths), for sm_90 (H100/H200; the JIT build targets the running GPU). Files are compiled one after the other (CI has 2 cores); the test skips only when no nvcc
-is found.
+paths), for sm_90 (H100/H200; the JIT build targets the running GPU), then links the objects
+into one shared library as the JIT build does (catching a non-inline definition in a shared
+header, which compiles per file but breaks the link). Files are compiled one after the other (CI
+has 2 cores); the tests skip only when no nvcc is found.
 
 A CPU-only torch wheel ships the ATen/c10 CUDA headers but not ``c10/cuda/impl/cuda_cmake_macros.h``
 (generated at torch's build) nor the CUDA math libraries' headers that ``ATen/cuda/CUDAContext.h``
@@ -192,10 +194,15 @@ def test_registers_with_fragment(source):
     )
 
 
+@pytest.fixture(scope="module")
+def object_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("objects")
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
 @pytest.mark.parametrize("source", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
-def test_compiles(source, standin_dir, tmp_path):
-    output = str(tmp_path / (os.path.basename(source) + ".o"))
+def test_compiles(source, standin_dir, object_dir):
+    output = str(object_dir / (os.path.basename(source) + ".o"))
     cmd = _command(source, output, standin_dir)
     start = time.time()
     try:
@@ -212,3 +219,16 @@ def test_compiles(source, standin_dir, tmp_path):
         )
     assert os.path.getsize(output) > 0
     print(f"{os.path.basename(source)}: compiled in {elapsed:.0f} s", file=sys.stderr)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+def test_objects_link_into_one_library(object_dir):
+    """The objects of test_compiles link into one shared library (torch's libraries stay
+    unresolved here, as a shared library allows): a symbol defined in two objects fails."""
+    objects = sorted(str(object_dir / (os.path.basename(s) + ".o")) for s in SOURCES)
+    missing = [o for o in objects if not os.path.exists(o)]
+    if missing:
+        pytest.fail(f"not compiled (see test_compiles): {', '.join(map(os.path.basename, missing))}")
+    cmd = [os.environ.get("CXX", "c++"), "-shared", "-o", str(object_dir / "linked.so")] + objects
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PER_FILE_TIMEOUT_S)
+    assert proc.returncode == 0, "csrc objects do not link:\n" + (proc.stdout + proc.stderr)[-4000:]
