@@ -5,7 +5,8 @@
    see the same batches per update (fairseq shards the batch list round-robin), so with dropout 0
    their per-update losses agree within fp16 noise; prints both curves and the largest gap.
 2. The N-GPU run's checkpoint resumes on 1 GPU.
-3. Scaling: wps on N GPUs / wps on 1 GPU for ls_ and the fairseq baseline (cuDNN SDPA off) at each
+3. fairseq's other DDP backends (legacy_ddp, no_c10d) train the ls_ model on N GPUs.
+4. Scaling: wps on N GPUs / wps on 1 GPU for ls_ and the fairseq baseline (cuDNN SDPA off) at each
    --max-tokens, all in this one call.
 
     python bench/multi_gpu.py --gpus 2 --max-tokens 8192 16384 --markdown $OUT/multi_gpu.md
@@ -29,12 +30,13 @@ def losses(log):
     return [(int(s["num_updates"]), float(s["loss"])) for s in e2e.parse_log(log)[0]]
 
 
-def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=()):
+def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
+          backend="pytorch_ddp"):
     cmd = e2e.train_cmd(data, variant, max_tokens, 100, 1, list(extra))
     cmd = [c for c in cmd if c != "--no-save"]
     cmd += ["--distributed-world-size", str(gpus), "--update-freq", str(update_freq),
             "--max-update", str(updates), "--save-dir", save_dir, "--no-epoch-checkpoints",
-            "--ddp-backend", "pytorch_ddp"]
+            "--ddp-backend", backend]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
                BENCH_CUDNN_SDPA="1" if e2e.VARIANTS[variant]["cudnn_sdpa"] else "0",
                BENCH_HERE=e2e.HERE, PYTHONUNBUFFERED="1", LS_FAIRSEQ_KERNELS="require")
@@ -53,6 +55,7 @@ def main():
     ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--scaling-updates", type=int, default=120)
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.workdir, "train.en")):
@@ -78,7 +81,20 @@ def main():
     ok = re.search(r"Loaded checkpoint .*@ %d updates" % args.updates, resumed) is not None
     out.append(f"{args.gpus}-GPU checkpoint resumed on 1 GPU: {'yes' if ok else 'NO'}")
 
-    # 3: scaling efficiency
+    # 3: the other DDP backends
+    for backend in ("legacy_ddp", "no_c10d"):
+        d = f"/tmp/mg_{backend}"
+        os.makedirs(d, exist_ok=True)
+        try:
+            curve = losses(train(data, "ls", mt, args.gpus, 1, 30, d, nodrop + ["--no-save"], backend))
+            gap = max(abs(a[1] - b[1]) for a, b in zip(curve, multi))
+            out.append(f"--ddp-backend {backend}, {args.gpus} GPUs, 30 updates: trains; loss at "
+                       f"{curve[-1][0]} updates {curve[-1][1]:.3f} (largest gap to pytorch_ddp {gap:.4f})")
+        except RuntimeError as e:
+            out.append(f"--ddp-backend {backend}: FAILED: {str(e)[-300:]!r}")
+    print("\n".join(out), flush=True)
+
+    # 4: scaling efficiency
     rows = ["| max-tokens | variant | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus, "|---|---|---|---|---|"]
     for mt in args.max_tokens:
         for variant in ("baseline_nocudnn", "ls"):
@@ -86,11 +102,12 @@ def main():
             for gpus in (1, args.gpus):
                 d = f"/tmp/mg_{variant}_{mt}_{gpus}"
                 os.makedirs(d, exist_ok=True)
-                log = train(data, variant, mt, gpus, 1, 150, d, ["--no-save"])
+                log = train(data, variant, mt, gpus, 1, args.scaling_updates, d, ["--no-save"])
                 inner = e2e.parse_log(log)[0]
                 steady = [float(s["wps"]) for s in inner[len(inner) // 2:]]
                 wps.append(sum(steady) / len(steady))
             rows.append(f"| {mt} | {variant} | {wps[0]:,.0f} | {wps[1]:,.0f} | {wps[1] / wps[0]:.2f}x |")
+            print(rows[-1], flush=True)
     text = "\n".join(out) + "\n\n" + "\n".join(rows)
     print(text)
     if args.markdown:
