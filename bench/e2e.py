@@ -5,15 +5,18 @@ On a GPU machine this script
   1. builds a synthetic corpus shaped like WMT14 en-de after joined BPE (lognormal sentence
      lengths, mean ~29 subwords, tail to 250; Zipf token frequencies over a ~32k vocabulary),
   2. binarises it with fairseq-preprocess,
-  3. runs fairseq-train for every variant and --max-tokens, two epochs each: epoch 1 sees every
-     batch shape for the first time ("unseen shapes"), epoch 2 repeats them ("steady state"),
+  3. runs fairseq-train for every variant and --max-tokens, --epochs (2) epochs each: epoch 1
+     sees every batch shape for the first time ("unseen shapes"), the last epoch repeats them
+     ("steady state"),
   4. prints a markdown table (wps unseen/steady, updates/s, peak memory, MFU, ls_/baseline ratio)
      and writes it, with device, date, commit and command, to --markdown.
 
 Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy, adam),
 ``baseline_nocudnn`` (the same with cuDNN SDPA disabled, the best baseline a careful user gets by
 a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
-``--ls-fused-fp16-copy``), ``ls_plain_fp16`` (the ls_ twins under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
+``--ls-fused-fp16-copy``), ``ls_graphs`` (``ls`` plus ``--ls-cuda-graphs``: each batch shape
+runs eagerly at its first sighting, is captured at its second and replayed from then on, so its
+steady state needs a third epoch: --epochs 3), ``ls_plain_fp16`` (the ls_ twins under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
 (Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
 smoothing 0.1, shared embeddings), --fp16.
 
@@ -45,6 +48,9 @@ VARIANTS = {
                              cudnn_sdpa=False),
     "ls": dict(arch="ls_transformer_wmt_en_de_big_t2t", criterion="ls_label_smoothed_cross_entropy",
                optimizer="ls_adam", cudnn_sdpa=True, flags=["--ls-fused-fp16-copy"]),
+    "ls_graphs": dict(arch="ls_transformer_wmt_en_de_big_t2t",
+                      criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
+                      cudnn_sdpa=True, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs"]),
     "ls_plain_fp16": dict(arch="ls_transformer_wmt_en_de_big_t2t",
                           criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
                           cudnn_sdpa=True),
@@ -164,7 +170,8 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
         return {"variant": variant, "max_tokens": max_tokens,
                 "profile": json.loads(found[-1]) if found else None}
     row = {"variant": variant, "max_tokens": max_tokens, "wall_s": wall, "peak_gb": peak / 2**30 if peak else None}
-    for e, key in ((1, "unseen"), (2, "steady")):
+    row["wps_by_epoch"] = [float(epochs[e]["wps"]) for e in sorted(epochs)]
+    for e, key in ((1, "unseen"), (max(epochs, default=2), "steady")):
         if e in epochs:
             row[f"wps_{key}"] = float(epochs[e]["wps"])
             row[f"ups_{key}"] = float(epochs[e]["ups"])
@@ -180,10 +187,10 @@ def fmt(x, spec):
 
 
 def markdown(rows, baseline_key):
-    lines = ["| max-tokens | variant | wps unseen (epoch 1) | wps steady (epoch 2) | upd/s steady | "
-             "peak mem GB | MFU steady | ls_/best-baseline unseen | ls_/best-baseline steady | "
-             "mem ls_/baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| max-tokens | variant | wps unseen (epoch 1) | wps steady (last epoch) | wps per epoch | "
+             "upd/s steady | peak mem GB | MFU steady | ls_/best-baseline unseen | "
+             "ls_/best-baseline steady | mem ls_/baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_mt = {}
     for r in rows:
         by_mt.setdefault(r["max_tokens"], {})[r["variant"]] = r
@@ -194,7 +201,7 @@ def markdown(rows, baseline_key):
         base_mem = group.get(baseline_key, {}).get("peak_gb")
         for name, r in group.items():
             if "error" in r:
-                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | |")
+                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | |")
                 continue
             ratio_u = ratio_s = mem = None
             if name.startswith("ls") and best_u:
@@ -203,6 +210,7 @@ def markdown(rows, baseline_key):
                 mem = r["peak_gb"] / base_mem if base_mem and r.get("peak_gb") else None
             lines.append(
                 f"| {mt} | {name} | {fmt(r.get('wps_unseen'), ',.0f')} | {fmt(r.get('wps_steady'), ',.0f')} | "
+                f"{' / '.join(format(w, ',.0f') for w in r.get('wps_by_epoch', []))} | "
                 f"{fmt(r.get('ups_steady'), '.2f')} | {fmt(r.get('peak_gb'), '.1f')} | "
                 f"{fmt(r.get('mfu_steady'), '.1%')} | {fmt(ratio_u, '.2f')}× | {fmt(ratio_s, '.2f')}× | "
                 f"{fmt(mem, '.2f')} |".replace("–×", "–"))
