@@ -26,8 +26,28 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
+LOG_DIR = os.environ.get("OUT", "/tmp")
+
+
 def losses(log):
     return [(int(s["num_updates"]), float(s["loss"])) for s in e2e.parse_log(log)[0]]
+
+
+def max_gap(a, b):
+    pairs = list(zip(a, b))
+    return max(abs(x[1] - y[1]) for x, y in pairs) if pairs else float("nan")
+
+
+def _sitecustomize_dir():
+    """fairseq starts one process per GPU (torch.multiprocessing.spawn): e2e's wrapper, which
+    switches cuDNN SDPA off, runs in the parent only. A sitecustomize on PYTHONPATH does it in
+    every process for the baseline_nocudnn variant."""
+    d = "/tmp/mg_site"
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "sitecustomize.py"), "w") as f:
+        f.write("import os\nif os.environ.get('BENCH_CUDNN_SDPA') == '0':\n"
+                "    import torch\n    torch.backends.cuda.enable_cudnn_sdp(False)\n")
+    return d
 
 
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
@@ -40,10 +60,15 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
                BENCH_CUDNN_SDPA="1" if e2e.VARIANTS[variant]["cudnn_sdpa"] else "0",
                BENCH_HERE=e2e.HERE, PYTHONUNBUFFERED="1", LS_FAIRSEQ_KERNELS="require")
+    env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = proc.stdout + proc.stderr
     with open(os.path.join(save_dir, "train.log"), "w") as f:
         f.write(log)
+    # keep the end of every run's log with the results (the device returns $OUT only)
+    with open(os.path.join(LOG_DIR, "multi_gpu_runs.log"), "a") as f:
+        f.write(f"\n===== {' '.join(cmd[3:])} gpus={gpus} rc={proc.returncode}\n")
+        f.write("\n".join(l for l in log.splitlines() if "Warning" not in l)[-6000:])
     if proc.returncode != 0:
         raise RuntimeError(log[-3000:])
     return log
@@ -56,6 +81,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--scaling-updates", type=int, default=120)
+    ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.workdir, "train.en")):
@@ -71,7 +97,7 @@ def main():
     mt = args.max_tokens[0]
     multi = losses(train(data, "ls", mt, args.gpus, 1, args.updates, multi_dir, nodrop))
     single = losses(train(data, "ls", mt, 1, args.gpus, args.updates, single_dir, nodrop))
-    gap = max(abs(a[1] - b[1]) for a, b in zip(multi, single))
+    gap = max_gap(multi, single)
     out.append(f"Correctness ({args.gpus} GPUs x update-freq 1 vs 1 GPU x update-freq {args.gpus}, "
                f"ls_, max-tokens {mt}, dropout 0, {args.updates} updates): largest loss gap {gap:.4f}")
     out.append("updates: " + " ".join(str(u) for u, _ in multi))
@@ -87,12 +113,15 @@ def main():
         os.makedirs(d, exist_ok=True)
         try:
             curve = losses(train(data, "ls", mt, args.gpus, 1, 30, d, nodrop + ["--no-save"], backend))
-            gap = max(abs(a[1] - b[1]) for a, b in zip(curve, multi))
-            out.append(f"--ddp-backend {backend}, {args.gpus} GPUs, 30 updates: trains; loss at "
-                       f"{curve[-1][0]} updates {curve[-1][1]:.3f} (largest gap to pytorch_ddp {gap:.4f})")
-        except RuntimeError as e:
+            gap = max_gap(curve, multi)
+            last = f"loss at {curve[-1][0]} updates {curve[-1][1]:.3f}" if curve else "no loss logged"
+            out.append(f"--ddp-backend {backend}, {args.gpus} GPUs, 30 updates: trains; {last} "
+                       f"(largest gap to pytorch_ddp {gap:.4f})")
+        except (RuntimeError, IndexError) as e:
             out.append(f"--ddp-backend {backend}: FAILED: {str(e)[-300:]!r}")
     print("\n".join(out), flush=True)
+    if args.skip_scaling:
+        return 0
 
     # 4: scaling efficiency
     rows = ["| max-tokens | variant | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus, "|---|---|---|---|---|"]
@@ -105,7 +134,7 @@ def main():
                 log = train(data, variant, mt, gpus, 1, args.scaling_updates, d, ["--no-save"])
                 inner = e2e.parse_log(log)[0]
                 steady = [float(s["wps"]) for s in inner[len(inner) // 2:]]
-                wps.append(sum(steady) / len(steady))
+                wps.append(sum(steady) / len(steady) if steady else float("nan"))
             rows.append(f"| {mt} | {variant} | {wps[0]:,.0f} | {wps[1]:,.0f} | {wps[1] / wps[0]:.2f}x |")
             print(rows[-1], flush=True)
     text = "\n".join(out) + "\n\n" + "\n".join(rows)
