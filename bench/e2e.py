@@ -127,7 +127,9 @@ def train_cmd(data, variant, max_tokens, epochs, seed, extra):
 
 def parse_log(text):
     inner, epochs = [], {}
-    for m in re.finditer(r"\| (train_inner|train) \| (\{.*\})\s*$", text, re.M):
+    # "... | INFO | train_inner | {...}" from fairseq-train; "INFO:train_inner:{...}" from the
+    # worker processes fairseq spawns for --distributed-world-size > 1 (default logging format)
+    for m in re.finditer(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", text, re.M):
         stats = json.loads(m.group(2))
         if m.group(1) == "train_inner":
             inner.append(stats)
