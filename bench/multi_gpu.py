@@ -14,6 +14,7 @@
 Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -38,6 +39,7 @@ def max_gap(a, b):
     return max(abs(x[1] - y[1]) for x, y in pairs) if pairs else float("nan")
 
 
+@functools.lru_cache(maxsize=None)
 def _sitecustomize_dir():
     """fairseq starts one process per GPU (torch.multiprocessing.spawn): e2e's wrapper, which
     switches cuDNN SDPA off, runs in the parent only. A sitecustomize on PYTHONPATH does it in
