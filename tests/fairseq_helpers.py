@@ -72,6 +72,26 @@ def random_batch(dictionary, bsz, src_len, tgt_len, generator=None, left_pad_sou
     return src, src_lengths, prev, tgt
 
 
+def random_sample(dictionary, bsz, src_len, tgt_len, generator=None):
+    """A fairseq translation sample (net_input, target, ntokens) around :func:`random_batch`."""
+    src, src_lengths, prev, tgt = random_batch(dictionary, bsz, src_len, tgt_len, generator)
+    return {
+        "net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
+        "target": tgt,
+        "ntokens": int(tgt.ne(dictionary.pad()).sum()),
+    }
+
+
+def run_criterion(criterion, model, sample):
+    """``criterion(model, sample)`` and its backward from zero gradients: (loss, sample_size,
+    logging_output, {parameter name: gradient})."""
+    model.zero_grad()
+    loss, sample_size, logging_output = criterion(model, sample)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    return loss.detach(), sample_size, logging_output, grads
+
+
 def max_rel_err(a, b):
     """max |a - b| / max |b|: the error scale relative to the tensor's magnitude."""
     a, b = a.double(), b.double()

@@ -13,7 +13,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
-from fairseq_helpers import DummyTask, build_model, make_dictionary, max_rel_err, random_batch
+from fairseq_helpers import (DummyTask, build_model, make_dictionary, max_rel_err, random_sample,
+                             run_criterion)
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
     LSLabelSmoothedCrossEntropyCriterion,
 )
@@ -29,13 +30,8 @@ def dictionary():
     return make_dictionary(51)
 
 
-def _sample(dictionary, g, bsz=5, src_len=7, tgt_len=9):
-    src, src_lengths, prev, tgt = random_batch(dictionary, bsz, src_len, tgt_len, g)
-    return {
-        "net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
-        "target": tgt,
-        "ntokens": int(tgt.ne(dictionary.pad()).sum()),
-    }
+def _sample(dictionary, g):
+    return random_sample(dictionary, 5, 7, 9, g)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.37])
@@ -51,20 +47,16 @@ def test_matches_fairseq(dictionary, eps, ignore_prefix_size, sentence_avg):
     model = build_model("ls_transformer", dictionary, TINY, seed=3)
     sample = _sample(dictionary, g)
 
-    ref_loss, ref_size, ref_log = ref_crit(model, sample)
-    ref_loss.backward()
-    ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    model.zero_grad()
-    ls_loss, ls_size, ls_log = ls_crit(model, sample)
-    ls_loss.backward()
+    ref_loss, ref_size, ref_log, ref_grads = run_criterion(ref_crit, model, sample)
+    ls_loss, ls_size, ls_log, ls_grads = run_criterion(ls_crit, model, sample)
 
     assert ls_size == ref_size
-    assert max_rel_err(ls_loss.detach(), ref_loss.detach()) <= 1e-6
+    assert max_rel_err(ls_loss, ref_loss) <= 1e-6
     assert max_rel_err(ls_log["nll_loss"], ref_log["nll_loss"]) <= 1e-6
     for key in ("ntokens", "nsentences", "sample_size", "n_correct", "total"):
         assert ls_log[key] == ref_log[key], key
-    for key, p in model.named_parameters():
-        assert max_rel_err(p.grad, ref_grads[key]) <= 1e-5, key
+    for key, grad in ls_grads.items():
+        assert max_rel_err(grad, ref_grads[key]) <= 1e-5, key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
