@@ -10,6 +10,7 @@
    --max-tokens, all in this one call.
 
     python bench/multi_gpu.py --gpus 2 --max-tokens 8192 16384 --markdown $OUT/multi_gpu.md
+    (--skip-correctness: only step 4; --skip-scaling: only steps 1-3)
 
 Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
 """
@@ -84,6 +85,8 @@ def main():
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--scaling-updates", type=int, default=120)
     ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--skip-correctness", action="store_true",
+                    help="only the scaling runs (steps 1-3 were shown in an earlier call)")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.workdir, "train.en")):
@@ -91,6 +94,21 @@ def main():
     data = e2e.preprocess(args.workdir, 8)
     out = []
 
+    if not args.skip_correctness:
+        out += correctness(data, args)
+        print("\n".join(out), flush=True)
+    if args.skip_scaling:
+        return 0
+    out.append(scaling(data, args))
+    text = "\n\n".join(out)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+def correctness(data, args):
+    out = []
     # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
     multi_dir, single_dir = "/tmp/mg_multi", "/tmp/mg_single"
@@ -121,11 +139,12 @@ def main():
                        f"(largest gap to pytorch_ddp {gap:.4f})")
         except (RuntimeError, IndexError) as e:
             out.append(f"--ddp-backend {backend}: FAILED: {str(e)[-300:]!r}")
-    print("\n".join(out), flush=True)
-    if args.skip_scaling:
-        return 0
+    return ["\n".join(out)]
 
-    # 4: scaling efficiency
+
+def scaling(data, args):
+    """4: wps on N GPUs over wps on 1 GPU, each GPU with --max-tokens per batch (update-freq 1),
+    the mean of the logged intervals of the second half of the run (the first half warms up)."""
     rows = ["| max-tokens | variant | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus, "|---|---|---|---|---|"]
     for mt in args.max_tokens:
         for variant in ("baseline_nocudnn", "ls"):
@@ -133,17 +152,17 @@ def main():
             for gpus in (1, args.gpus):
                 d = f"/tmp/mg_{variant}_{mt}_{gpus}"
                 os.makedirs(d, exist_ok=True)
-                log = train(data, variant, mt, gpus, 1, args.scaling_updates, d, ["--no-save"])
+                try:
+                    log = train(data, variant, mt, gpus, 1, args.scaling_updates, d, ["--no-save"])
+                except RuntimeError as e:  # keep the rest of the table; the log is in $OUT
+                    print(f"{variant} {mt} tokens {gpus} GPU(s) FAILED: {str(e)[-500:]}", flush=True)
+                    log = ""
                 inner = e2e.parse_log(log)[0]
                 steady = [float(s["wps"]) for s in inner[len(inner) // 2:]]
                 wps.append(sum(steady) / len(steady) if steady else float("nan"))
             rows.append(f"| {mt} | {variant} | {wps[0]:,.0f} | {wps[1]:,.0f} | {wps[1] / wps[0]:.2f}x |")
             print(rows[-1], flush=True)
-    text = "\n".join(out) + "\n\n" + "\n".join(rows)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
