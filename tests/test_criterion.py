@@ -82,3 +82,29 @@ def test_per_token_losses_use_fairseq_path(dictionary):
     out = model(**sample["net_input"])
     loss, _ = crit.compute_loss(model, out, sample, reduce=False)
     assert loss.numel() == sample["target"].numel()
+
+
+def test_cuda_graphs_flag_runs_eagerly_without_cuda(dictionary, caplog):
+    """--ls-cuda-graphs on CPU tensors: the documented fallback (one warning, eager steps with
+    identical results). The replay itself is tested on the GPU (tests/gpu/test_cuda_graphs_cuda.py)."""
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1, report_accuracy=True)
+    plain = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True, **kwargs)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    sample = _sample(dictionary, torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING"):
+        results = [graphed(model, sample) for _ in range(3)]
+    assert sum("--ls-cuda-graphs" in r.message for r in caplog.records) == 1
+    assert graphed.graphs.stats["eager"] == 3 and graphed.graphs.stats["captured"] == 0
+    want_loss, want_size, want_log = plain(model, sample)
+    for loss, size, log in results:
+        assert torch.equal(loss, want_loss) and size == want_size
+        assert log["n_correct"] == want_log["n_correct"]
+
+
+def test_cuda_graphs_max_must_be_positive(dictionary):
+    with pytest.raises(ValueError, match="--ls-cuda-graphs-max"):
+        LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
+                                             label_smoothing=0.1, ls_cuda_graphs=True,
+                                             ls_cuda_graphs_max=0)
