@@ -82,7 +82,8 @@ def child(name):
     g = torch.Generator().manual_seed(1)
     src, lens, prev, tgt = random_batch(d, *cfg.get("shape", (6, 17, 19)), generator=g)
     sample = {"net_input": {"src_tokens": src.cuda(), "src_lengths": lens.cuda(),
-                            "prev_output_tokens": prev.cuda()}, "target": tgt.cuda()}
+                            "prev_output_tokens": prev.cuda()}, "target": tgt.cuda(),
+              "ntokens": int(tgt.ne(d.pad()).sum())}
     if cfg.get("syncdebug"):
         crit(model, sample)[0].backward()  # first call: lazy set-up may sync legitimately
         torch.cuda.synchronize()
