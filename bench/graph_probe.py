@@ -49,6 +49,9 @@ CONFIGS = {
                           dtype="half", shape=(96, 31, 33)),
     "big_fp16_act0": dict(arch="ls_transformer_wmt_en_de_big_t2t", extra=BIG + ["--activation-dropout", "0"],
                           dtype="half", shape=(96, 31, 33)),
+    "bisect_small_p0": dict(arch="ls_transformer", extra=SMALL + drop(0.0), bisect=True),
+    "bisect_big": dict(arch="ls_transformer_wmt_en_de_big_t2t", extra=BIG, dtype="half",
+                       shape=(96, 31, 33), bisect=True),
     "syncdebug_big": dict(arch="ls_transformer_wmt_en_de_big_t2t", extra=BIG, dtype="half",
                           shape=(96, 31, 33), syncdebug=True),
     "syncdebug_small": dict(arch="ls_transformer", extra=SMALL + drop(0.3), syncdebug=True),
@@ -98,6 +101,8 @@ def child(name):
             return {"result": "SYNC", "error": str(e).splitlines()[0][:200],
                     "where": [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
                               for f in traceback.extract_tb(e.__traceback__)][-8:]}
+    if cfg.get("bisect"):
+        return bisect(crit, model, sample)
     losses = []
     for call in range(4):
         try:
@@ -111,10 +116,96 @@ def child(name):
             losses.append(round(float(loss), 4))
         except Exception as e:  # noqa: BLE001
             return {"result": "FAIL", "call": call, "stats": dict(crit.graphs.stats),
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                    "where": [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
-                              for f in traceback.extract_tb(e.__traceback__)][-8:]}
+                    "errors": chain(e)}
     return {"result": "ok", "stats": dict(crit.graphs.stats), "losses": losses}
+
+
+def chain(e):
+    """The exception and the ones it was raised while handling (a capture_end in a finally
+    masks the error that broke the capture)."""
+    out = []
+    while e is not None and len(out) < 4:
+        out.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:240]}",
+                    "where": [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
+                              for f in traceback.extract_tb(e.__traceback__)][-6:]})
+        e = e.__context__
+    return out
+
+
+def _capture_status_fn():
+    """cudaStreamIsCapturing through ctypes (legal during capture, unlike most queries)."""
+    import ctypes
+
+    path = next(l.split()[-1] for l in open("/proc/self/maps") if "libcudart" in l)
+    lib = ctypes.CDLL(path)
+
+    def status(stream):
+        s = ctypes.c_int(-1)
+        lib.cudaStreamIsCapturing(ctypes.c_void_p(stream), ctypes.byref(s))
+        return s.value  # 0 none, 1 active, 2 invalidated
+
+    return status
+
+
+def bisect(crit, model, sample):
+    """Capture the backward with a hook before and after every autograd node that reads the
+    capture status of the stream: the first node after which it reads 'invalidated' broke it."""
+    import torch
+
+    runner = crit.graphs
+    crit(model, sample)[0].backward()  # first sighting: eager
+    runner._setup(model)
+    status = _capture_status_fn()
+    compute = crit._losses
+    stream = runner._stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up as _capture does
+        outputs = compute(model, sample)
+        runner._grads(outputs, torch.ones_like(outputs[0]))
+    torch.cuda.synchronize()
+    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    res = {}
+    with torch.cuda.stream(stream):
+        fwd.capture_begin(pool=runner._pool)
+        try:
+            outputs = compute(model, sample)
+            res["after_fwd"] = status(stream.cuda_stream)
+        finally:
+            try:
+                fwd.capture_end()
+                res["fwd"] = "ok"
+            except Exception as e:  # noqa: BLE001
+                res["fwd"] = chain(e)
+                return res
+        log, seen, todo = [], set(), [outputs[0].grad_fn]
+        while todo:  # every node of the backward graph
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            name = node.name()
+            node.register_prehook(lambda g, name=name: log.append((name, "pre", status(stream.cuda_stream))) and None)
+            node.register_hook(lambda gi, go, name=name: log.append((name, "post", status(stream.cuda_stream))) and None)
+            todo.extend(n for n, _ in node.next_functions)
+        res["nodes"] = len(seen)
+        grad_output = torch.ones_like(outputs[0])
+        bwd.capture_begin(pool=runner._pool)
+        err = None
+        try:
+            runner._grads(outputs, grad_output)
+        except Exception as e:  # noqa: BLE001
+            err = chain(e)
+        res["after_bwd"] = status(stream.cuda_stream)
+        try:
+            bwd.capture_end()
+            res["bwd"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            res["bwd"] = chain(e)
+        res["bwd_body_error"] = err
+    first_bad = next((i for i, x in enumerate(log) if x[2] != 1), None)
+    res["first_bad"] = None if first_bad is None else log[max(0, first_bad - 3):first_bad + 2]
+    res["log_len"] = len(log)
+    return res
 
 
 def main():
