@@ -31,6 +31,7 @@ kernels' arguments and one pool of activation memory; ``max_graphs`` bounds thei
 recently used are dropped). Without CUDA the eager path runs (one warning).
 """
 import collections
+import contextlib
 import logging
 import weakref
 
@@ -63,6 +64,25 @@ class _Graphs:
         self.grad_output = grad_output
         self.fwd = fwd
         self.bwd = bwd
+
+
+@contextlib.contextmanager
+def _parameters_swapped(model, replacement):
+    """Within the block, every module slot holding a parameter ``p`` holds ``replacement[id(p)]``.
+
+    Written out rather than ``torch.func.functional_call``: with a module shared between two
+    parents (fairseq's shared encoder/decoder embedding), torch 2.11's functional_call leaves the
+    replacement in the model after the call. Here each module object is visited once and every
+    slot is restored from what it held."""
+    slots = [(m, k, p) for m in model.modules() for k, p in m._parameters.items()
+             if p is not None and id(p) in replacement]
+    try:
+        for m, k, p in slots:
+            m._parameters[k] = replacement[id(p)]
+        yield
+    finally:
+        for m, k, p in slots:
+            m._parameters[k] = p
 
 
 class _ReplayBackward(torch.autograd.Function):
@@ -99,6 +119,9 @@ class CudaGraphedLoss:
         self._warmed_up = False
         self._model_ref = None
         self._params = None
+        self._names = None
+        self._aliases = None
+        self._alias_ptrs = None
         self._accumulators = None  # per-parameter views of flat per-dtype buffers
         self._flats = None
         self._anchor = None
@@ -118,6 +141,8 @@ class CudaGraphedLoss:
                 self.stats["eager"] += 1
                 return compute(model, sample)
             self._pending = None
+        if self._params is not None:
+            self._check_aliases()  # drops the graphs if a parameter's storage was replaced
         graphs = self._graphs.get(key)
         if graphs is None:
             self._sightings[key] += 1
@@ -170,7 +195,9 @@ class CudaGraphedLoss:
         if self._model_ref is not None:
             raise ValueError("--ls-cuda-graphs: one criterion trains one model")
         self._model_ref = weakref.ref(model)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
         by_dtype = collections.OrderedDict()
         for p in self._params:
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
@@ -186,15 +213,36 @@ class CudaGraphedLoss:
                 views[id(p)] = flat[off:off + p.numel()].view_as(p)
         self._accumulators = [views[id(p)] for p in self._params]
         self._anchor = torch.zeros((), device=self._params[0].device, requires_grad=True)
-        self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device=self._params[0].device)
+
+    def _check_aliases(self):
+        """The graphs run the model on aliases of its parameters: leaves of their own that share
+        the parameters' storage (so replays read the current weights) but not their autograd
+        state. A parameter's gradient-accumulator node remembers the stream it was created on;
+        while any eager graph of the model is alive (a loss someone still holds), that is the
+        default stream, and a backward captured against the parameters themselves would make the
+        default stream wait on the capture ("operation would make the legacy stream depend on a
+        capturing blocking stream"). If a parameter's storage was replaced (``p.data = ...``,
+        ``model.half()``), the graphs read stale memory: drop them and alias again."""
+        ptrs = tuple(p.data_ptr() for p in self._params)
+        if ptrs == self._alias_ptrs:
+            return
+        if self._graphs:
+            logger.info("--ls-cuda-graphs: parameter storage changed; re-capturing")
+            self._graphs.clear()
+        self._aliases = [p.detach().requires_grad_() for p in self._params]
+        self._alias_ptrs = ptrs
+
+    def _run(self, model, sample, compute):
+        """compute(model, sample) with the parameters swapped for their aliases."""
+        with _parameters_swapped(model, {id(p): a for p, a in zip(self._params, self._aliases)}):
+            return compute(model, sample)
 
     def _static_sample(self, sample, static_inputs):
         keys = sorted(sample["net_input"])
         return {"net_input": dict(zip(keys, static_inputs[:-1])), "target": static_inputs[-1]}
 
     def _grads(self, outputs, grad_output):
-        grads = torch.autograd.grad(outputs[0], self._params, grad_outputs=grad_output,
+        grads = torch.autograd.grad(outputs[0], self._aliases, grad_outputs=grad_output,
                                     allow_unused=True)
         pairs = [(a, g) for a, g in zip(self._accumulators, grads) if g is not None]
         if pairs:
@@ -202,6 +250,10 @@ class CudaGraphedLoss:
 
     def _capture(self, model, sample, compute):
         self._setup(model)
+        self._check_aliases()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=self._params[0].device)
         keys = sorted(sample["net_input"])
         static_inputs = [sample["net_input"][k].clone() for k in keys] + [sample["target"].clone()]
         static_sample = self._static_sample(sample, static_inputs)
@@ -213,7 +265,7 @@ class CudaGraphedLoss:
             saved = [a.clone() for a in self._flats]
             rng = torch.cuda.get_rng_state()  # the warm-up's dropout draws must not count
             with torch.cuda.stream(self._stream):
-                outputs = compute(model, static_sample)
+                outputs = self._run(model, static_sample, compute)
                 self._grads(outputs, torch.ones_like(outputs[0]))
                 for flat, old in zip(self._flats, saved):
                     flat.copy_(old)
@@ -224,23 +276,36 @@ class CudaGraphedLoss:
         # capture_begin/end rather than torch.cuda.graph(): that context manager also runs
         # gc.collect() and empties the allocator cache at every capture
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
-            fwd.capture_begin(pool=self._pool)
-            try:
-                outputs = compute(model, static_sample)
-            finally:
-                fwd.capture_end()
-            if not torch.is_tensor(outputs[0]) or outputs[0].dim() != 0:
-                raise ValueError("--ls-cuda-graphs: the criterion's loss must be a scalar tensor")
-            grad_output = torch.ones_like(outputs[0])
-            bwd.capture_begin(pool=self._pool)
-            try:
-                self._grads(outputs, grad_output)
-            finally:
-                bwd.capture_end()
+        try:
+            with torch.cuda.stream(self._stream):
+                outputs = self._captured(fwd, lambda: self._run(model, static_sample, compute))
+                if not torch.is_tensor(outputs[0]) or outputs[0].dim() != 0:
+                    raise ValueError("the criterion's loss must be a scalar tensor")
+                grad_output = torch.ones_like(outputs[0])
+                self._captured(bwd, lambda: self._grads(outputs, grad_output))
+        except Exception as exc:
+            raise RuntimeError(
+                f"--ls-cuda-graphs: capturing the training step of a batch of "
+                f"{list(static_inputs[-1].shape)} target tokens failed ({exc}). Train without "
+                f"--ls-cuda-graphs, and please report this.") from exc
         current.wait_stream(self._stream)
         static_outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
         return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd)
+
+    def _captured(self, graph, fn):
+        """fn() captured into graph. If fn raises, that error is the one reported (ending the
+        broken capture raises a second, uninformative one, which is dropped)."""
+        graph.capture_begin(pool=self._pool)
+        try:
+            out = fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture is already broken by the error above
+                pass
+            raise
+        graph.capture_end()
+        return out
 
     def _replay_forward(self, graphs, sample):
         keys = sorted(sample["net_input"])

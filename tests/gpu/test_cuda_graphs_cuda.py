@@ -134,8 +134,58 @@ def test_zero_loss_gradient_and_foreign_grads(dictionary):
     loss, _, _ = graphed(m2, sample)
     loss.backward()
     eager(m1, sample)[0].backward()
+    # absolute, against the model's largest gradient: the +1 rounds each entry to ~6e-8, and
+    # some gradients (k_proj.bias: softmax is shift-invariant) are zero up to rounding
+    scale = max(float(p.grad.abs().max()) for p in m1.parameters())
     for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
-        assert _rel(p2.grad - 1, p1.grad) <= 1e-5, k
+        assert float((p2.grad - 1 - p1.grad).abs().max()) <= 1e-5 * scale, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_capture_while_an_eager_graph_is_alive(dictionary, dtype):
+    """A loss of an earlier eager step still held (with its autograd graph) while a shape is
+    captured: the parameters' gradient-accumulator nodes then belong to the default stream.
+    Capture must still work (it runs on aliases of the parameters) and give eager's gradients."""
+    eager, graphed, m1, m2 = _pair(dictionary, dtype, 0.0)
+    sample = _sample(dictionary, (7, 21, 23), 9)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    held = []
+    for _ in range(3):  # eager, captured + replayed, replayed
+        for p in m2.parameters():
+            p.grad = None
+        loss, _, _ = graphed(m2, sample)
+        loss.backward()
+        held.append(loss)
+    assert graphed.graphs.stats["captured"] == 1 and graphed.graphs.stats["replayed"] == 2
+    eager(m1, sample)[0].backward()
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert _rel(p2.grad, p1.grad) <= tol, k
+
+
+def test_replaced_parameter_storage_recaptures(dictionary):
+    """``p.data = ...`` (e.g. a checkpoint loader that replaces tensors) invalidates the graphs,
+    which read the old storage: they are dropped and the shape is captured again."""
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
+    sample = _sample(dictionary, (4, 9, 10), 3)
+    for _ in range(3):
+        graphed(m2, sample)[0].backward()
+    with torch.no_grad():
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            p1.mul_(1.5)
+            p2.data = p1.data.clone()  # new storage, new values
+    for p in list(m1.parameters()) + list(m2.parameters()):
+        p.grad = None
+    for _ in range(3):  # the sighting counter is kept: captured again at once, then replayed
+        for p in m2.parameters():
+            p.grad = None
+        loss, _, _ = graphed(m2, sample)
+        loss.backward()
+    assert graphed.graphs.stats["captured"] == 2
+    want = eager(m1, sample)[0]
+    want.backward()
+    assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert _rel(p2.grad, p1.grad) <= 1e-5, k
 
 
 def test_second_forward_before_backward_runs_eagerly(dictionary):
