@@ -7,9 +7,9 @@ them (30 ms). A replayed CUDA graph issues the same kernels with one call.
 How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 
 * The first time a batch shape (the shapes and dtypes of ``net_input`` and ``target``) is seen,
-  the step runs eagerly as usual; it doubles as the warm-up (cuBLAS handles, lazily grown
-  positional tables). At the second sighting the criterion's forward (model + loss) is captured
-  into one graph and ``torch.autograd.grad`` of the loss into a second, which adds the gradients
+  the step runs eagerly as usual (lazily grown tables, cuBLAS handles). At the second sighting
+  one more eager step, whose gradients are dropped, warms the capture stream up; then the
+  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a second, which adds the gradients
   into fixed accumulator buffers; from then on the shape is replayed.
 * The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
   usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
@@ -21,6 +21,8 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   is safe because a shape's forward and backward replay back to back. If a second forward comes
   before the first one's backward, the second runs eagerly (it must not overwrite activations
   still waiting for their backward).
+* The graphs run the model on aliases of its parameters (same storage, their own autograd
+  leaves), so they never depend on autograd state of eager steps (``_check_aliases``).
 * Dropout stays random: the CUDA generator is graph-aware and every replay advances its offset
   (the same Philox stream an eager step would use).
 
@@ -116,7 +118,6 @@ class CudaGraphedLoss:
         self._sightings = collections.Counter()
         self._pool = None
         self._stream = None
-        self._warmed_up = False
         self._model_ref = None
         self._params = None
         self._names = None
@@ -259,20 +260,7 @@ class CudaGraphedLoss:
         static_sample = self._static_sample(sample, static_inputs)
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
-        if not self._warmed_up:
-            # once per criterion: warm the capture stream up (cuBLAS workspace, autograd state)
-            # with one eager step whose gradients go nowhere
-            saved = [a.clone() for a in self._flats]
-            rng = torch.cuda.get_rng_state()  # the warm-up's dropout draws must not count
-            with torch.cuda.stream(self._stream):
-                outputs = self._run(model, static_sample, compute)
-                self._grads(outputs, torch.ones_like(outputs[0]))
-                for flat, old in zip(self._flats, saved):
-                    flat.copy_(old)
-                del outputs, saved
-            torch.cuda.synchronize()
-            torch.cuda.set_rng_state(rng)
-            self._warmed_up = True
+        self._warm_up(model, static_sample, compute)
         # capture_begin/end rather than torch.cuda.graph(): that context manager also runs
         # gc.collect() and empties the allocator cache at every capture
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -291,6 +279,20 @@ class CudaGraphedLoss:
         current.wait_stream(self._stream)
         static_outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
         return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd)
+
+    def _warm_up(self, model, sample, compute):
+        """One eager step of this shape on the capture stream, its gradients dropped and its
+        dropout draws undone, before the capture (as torch's make_graphed_callables does): the
+        libraries pick, load and set up what these shapes need on this stream (cuBLAS kernels
+        and workspace) outside the capture. Without it, the second shape's capture failed in
+        cublasGemmEx (CUBLAS_STATUS_EXECUTION_FAILED) on the H100."""
+        rng = torch.cuda.get_rng_state()
+        with torch.cuda.stream(self._stream):
+            outputs = self._run(model, sample, compute)
+            torch.autograd.grad(outputs[0], self._aliases, allow_unused=True)
+            del outputs
+        torch.cuda.synchronize()
+        torch.cuda.set_rng_state(rng)
 
     def _captured(self, graph, fn):
         """fn() captured into graph. If fn raises, that error is the one reported (ending the
