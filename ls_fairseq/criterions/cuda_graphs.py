@@ -230,6 +230,7 @@ class CudaGraphedLoss:
         if self._graphs:
             logger.info("--ls-cuda-graphs: parameter storage changed; re-capturing")
             self._graphs.clear()
+            self._pool = None  # a fresh memory pool for the new graphs
         self._aliases = [p.detach().requires_grad_() for p in self._params]
         self._alias_ptrs = ptrs
 
@@ -297,7 +298,10 @@ class CudaGraphedLoss:
     def _captured(self, graph, fn):
         """fn() captured into graph. If fn raises, that error is the one reported (ending the
         broken capture raises a second, uninformative one, which is dropped)."""
-        graph.capture_begin(pool=self._pool)
+        # thread_local: only this thread is barred from calls that are unsafe during a capture.
+        # In the default global mode a call from any thread breaks the capture, and fairseq's
+        # data loader pins memory (cudaHostAlloc, event queries) on its own thread meanwhile.
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
         try:
             out = fn()
         except BaseException:
