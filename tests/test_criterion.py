@@ -82,3 +82,65 @@ def test_per_token_losses_use_fairseq_path(dictionary):
     out = model(**sample["net_input"])
     loss, _ = crit.compute_loss(model, out, sample, reduce=False)
     assert loss.numel() == sample["target"].numel()
+
+
+def test_cuda_graphs_flag_runs_eagerly_without_cuda(dictionary, caplog):
+    """--ls-cuda-graphs on CPU tensors: the documented fallback (one warning, eager steps with
+    identical results). The replay itself is tested on the GPU (tests/gpu/test_cuda_graphs_cuda.py)."""
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1, report_accuracy=True)
+    plain = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True, **kwargs)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    sample = _sample(dictionary, torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING"):
+        results = [graphed(model, sample) for _ in range(3)]
+    assert sum("--ls-cuda-graphs" in r.message for r in caplog.records) == 1
+    assert graphed.graphs.stats["eager"] == 3 and graphed.graphs.stats["captured"] == 0
+    want_loss, want_size, want_log = plain(model, sample)
+    for loss, size, log in results:
+        assert torch.equal(loss, want_loss) and size == want_size
+        assert log["n_correct"] == want_log["n_correct"]
+
+
+def test_cuda_graphs_max_must_be_positive(dictionary):
+    with pytest.raises(ValueError, match="--ls-cuda-graphs-max"):
+        LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
+                                             label_smoothing=0.1, ls_cuda_graphs=True,
+                                             ls_cuda_graphs_max=0)
+
+
+def test_cuda_graphs_aliases_match_the_parameters(dictionary):
+    """The graphs run the model on aliases of its parameters (same storage, own autograd leaves;
+    see CudaGraphedLoss._check_aliases). On CPU: same loss, the aliases receive exactly the
+    gradients the parameters would, the parameters' .grad stays untouched, and replacing a
+    parameter's storage makes new aliases."""
+    task = DummyTask(dictionary)
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1,
+                                                ls_cuda_graphs=True)
+    model = build_model("ls_transformer", dictionary, TINY + ["--dropout", "0"], seed=3)
+    sample = _sample(dictionary, torch.Generator().manual_seed(7))
+    runner = crit.graphs
+    slots = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
+    runner._setup(model)
+    runner._check_aliases()
+    aliases = runner._aliases
+    assert all(a.data_ptr() == p.data_ptr() and a is not p
+               for a, p in zip(aliases, runner._params))
+    loss_a = runner._run(model, sample, crit._losses)[0]
+    # every slot (the shared embedding has three) holds its parameter again
+    assert [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)] == slots
+    grads = torch.autograd.grad(loss_a, aliases, allow_unused=True)
+    loss_p = crit._losses(model, sample)[0]
+    loss_p.backward()
+    assert torch.equal(loss_a, loss_p)
+    for (name, p), g in zip(model.named_parameters(), grads):
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        got = g if g is not None else torch.zeros_like(p)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), name  # same ops, same order
+    runner._check_aliases()
+    assert runner._aliases is aliases  # storage unchanged: same aliases
+    p0 = runner._params[0]
+    p0.data = p0.data.clone()
+    runner._check_aliases()
+    assert runner._aliases is not aliases and runner._aliases[0].data_ptr() == p0.data_ptr()

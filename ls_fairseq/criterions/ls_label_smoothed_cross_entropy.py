@@ -10,6 +10,10 @@ On the GPU the gradient is written over the logits buffer (nothing else needs it
 (``features_only=True``) and the output projection + loss run chunk by chunk over the tokens
 (``ls_fairseq.ops.fused_output_cross_entropy``), so the [tokens x vocab] logits never exist.
 It needs a decoder whose output layer is ``decoder.output_projection`` (no adaptive softmax).
+
+``--ls-cuda-graphs`` (opt-in) replays the training forward and backward of each batch shape as
+CUDA graphs after its first sighting (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued
+without Python's per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
 """
 from dataclasses import dataclass, field
 
@@ -23,6 +27,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 from .. import ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
+from .cuda_graphs import CudaGraphedLoss
 
 
 @dataclass
@@ -36,6 +41,15 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
         default=0, metadata={"help": "tokens per chunk for --ls-fused-output-ce (0: about "
                              "256 MiB of logits per chunk)"},
     )
+    ls_cuda_graphs: bool = field(
+        default=False,
+        metadata={"help": "replay the training forward+backward of each batch shape as CUDA "
+                  "graphs from its second sighting on (not with --ddp-backend c10d)"},
+    )
+    ls_cuda_graphs_max: int = field(
+        default=256, metadata={"help": "most batch shapes kept captured by --ls-cuda-graphs "
+                               "(least recently used dropped)"},
+    )
 
 
 @register_criterion(
@@ -43,11 +57,15 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 )
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
-                 report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0):
+                 report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
+                 ls_cuda_graphs=False, ls_cuda_graphs_max=256):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
+        if ls_cuda_graphs and ls_cuda_graphs_max < 1:
+            raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
+        self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max) if ls_cuda_graphs else None
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
@@ -64,10 +82,21 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         return sample_size, logging_output
 
     def forward(self, model, sample, reduce=True):
-        if self.ls_fused_output_ce and reduce:
-            return self._forward_fused_output(model, sample)
         if not reduce:  # per-token losses: fairseq's own path
             return super().forward(model, sample, reduce=False)
+        if self.graphs is not None:
+            loss, nll_loss, n_correct, total = self.graphs(model, sample, self._losses)
+        else:
+            loss, nll_loss, n_correct, total = self._losses(model, sample)
+        sample_size, logging_output = self._logging_output(loss, nll_loss, sample, n_correct,
+                                                           total)
+        return loss, sample_size, logging_output
+
+    def _losses(self, model, sample):
+        """(loss, nll_loss, n_correct, total) summed over the batch; the last two are None
+        without --report-accuracy. Tensor work only: no host synchronisation (graph-capturable)."""
+        if self.ls_fused_output_ce:
+            return self._losses_fused_output(model, sample)
         net_output = model(**sample["net_input"])
         logits, target = self.get_logits_and_target(model, net_output, sample)
         # one pass for loss, nll and argmax; on the GPU the backward overwrites the logits buffer
@@ -79,12 +108,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         if self.report_accuracy:
             mask = target.ne(self.padding_idx)
             n_correct, total = (argmax.eq(target) & mask).sum(), mask.sum()
-        loss = loss_rows.sum()
-        sample_size, logging_output = self._logging_output(loss, nll_rows.sum(), sample,
-                                                           n_correct, total)
-        return loss, sample_size, logging_output
+        return loss_rows.sum(), nll_rows.sum(), n_correct, total
 
-    def _forward_fused_output(self, model, sample):
+    def _losses_fused_output(self, model, sample):
         decoder = getattr(model, "decoder", None)
         projection = getattr(decoder, "output_projection", None)
         if projection is None or getattr(decoder, "adaptive_softmax", None) is not None or \
@@ -100,9 +126,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             features, projection.weight, target, self.eps, self.padding_idx,
             chunk_size=self.ls_fused_output_ce_chunk, compute_accuracy=self.report_accuracy)
         total = target.ne(self.padding_idx).sum() if self.report_accuracy else None
-        sample_size, logging_output = self._logging_output(loss, nll_loss, sample, n_correct,
-                                                           total)
-        return loss, sample_size, logging_output
+        return loss, nll_loss, n_correct, total
 
     def get_logits_and_target(self, model, net_output, sample):
         logits = net_output[0]

@@ -1,0 +1,349 @@
+"""Training forward and backward replayed as CUDA graphs, one pair per batch shape.
+
+Why: on the H100 the ls_ model's forward+backward issues ~550 kernels, and issuing them from
+Python takes longer (53 ms at 8192 tokens, ``bench/host_overhead.py``) than the GPU needs to run
+them (30 ms). A replayed CUDA graph issues the same kernels with one call.
+
+How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
+
+* The first time a batch shape (the shapes and dtypes of ``net_input`` and ``target``) is seen,
+  the step runs eagerly as usual (lazily grown tables, cuBLAS handles). At the second sighting
+  one more eager step, whose gradients are dropped, warms the capture stream up; then the
+  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a second, which adds the gradients
+  into fixed accumulator buffers; from then on the shape is replayed.
+* The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
+  usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
+  0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
+  accumulators become the parameters' ``.grad`` (zeroed when fairseq has set ``.grad`` to None),
+  so ``--update-freq`` accumulation, gradient clipping and every fairseq optimizer wrapper work
+  unchanged.
+* All graphs share one memory pool: their temporaries (activations) reuse the same memory, which
+  is safe because a shape's forward and backward replay back to back. If a second forward comes
+  before the first one's backward, the second runs eagerly (it must not overwrite activations
+  still waiting for their backward).
+* The graphs run the model on aliases of its parameters (same storage, their own autograd
+  leaves), so they never depend on autograd state of eager steps (``_check_aliases``).
+* Dropout stays random: the CUDA generator is graph-aware and every replay advances its offset
+  (the same Philox stream an eager step would use).
+
+Limits: the gradients bypass autograd's per-parameter hooks, so torch DDP (``--ddp-backend
+c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error; fairseq's
+``legacy_ddp``/``no_c10d`` all-reduce ``.grad`` after the backward and work. Graphs hold their
+kernels' arguments and one pool of activation memory; ``max_graphs`` bounds their number (least
+recently used are dropped). Without CUDA the eager path runs (one warning).
+"""
+import collections
+import contextlib
+import logging
+import weakref
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Flat accumulator views start at multiples of this many elements (16 bytes for fp16), so the
+# vectorised optimizer and norm kernels see aligned gradients.
+_ALIGN = 16
+
+
+def _find_ddp(model):
+    seen = model
+    for _ in range(8):
+        if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
+            return True
+        seen = getattr(seen, "module", None)
+        if seen is None:
+            return False
+    return False
+
+
+class _Graphs:
+    """The captured forward/backward pair of one batch shape and its static tensors."""
+
+    def __init__(self, static_inputs, outputs, grad_output, fwd, bwd):
+        self.static_inputs = static_inputs
+        self.outputs = outputs  # static output tensors of the forward graph (None kept as None)
+        self.grad_output = grad_output
+        self.fwd = fwd
+        self.bwd = bwd
+
+
+@contextlib.contextmanager
+def _parameters_swapped(model, replacement):
+    """Within the block, every module slot holding a parameter ``p`` holds ``replacement[id(p)]``.
+
+    Written out rather than ``torch.func.functional_call``: with a module shared between two
+    parents (fairseq's shared encoder/decoder embedding), torch 2.11's functional_call leaves the
+    replacement in the model after the call. Here each module object is visited once and every
+    slot is restored from what it held."""
+    slots = [(m, k, p) for m in model.modules() for k, p in m._parameters.items()
+             if p is not None and id(p) in replacement]
+    try:
+        for m, k, p in slots:
+            m._parameters[k] = replacement[id(p)]
+        yield
+    finally:
+        for m, k, p in slots:
+            m._parameters[k] = p
+
+
+class _ReplayBackward(torch.autograd.Function):
+    """Gives the replayed loss a backward: it replays the shape's backward graph."""
+
+    @staticmethod
+    def forward(ctx, runner, graphs, anchor):
+        ctx.runner, ctx.graphs = runner, graphs
+        return graphs.outputs[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.runner._replay_backward(ctx.graphs, grad)
+        return None, None, None
+
+
+class CudaGraphedLoss:
+    """Runs ``compute(model, sample) -> (loss, *other tensors or None)`` through CUDA graphs.
+
+    One instance per criterion (no process-wide state). ``loss`` must be a scalar; the other
+    outputs (``nll_loss``, accuracy counts) come back without gradient.
+    """
+
+    def __init__(self, capture_after: int = 1, max_graphs: int = 256):
+        if capture_after < 1:
+            raise ValueError("--ls-cuda-graphs-after must be >= 1 (the first sighting of a batch "
+                             "shape runs eagerly and warms up)")
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self._graphs = collections.OrderedDict()  # key -> _Graphs, least recently used first
+        self._sightings = collections.Counter()
+        self._pool = None
+        self._stream = None
+        self._model_ref = None
+        self._params = None
+        self._names = None
+        self._aliases = None
+        self._alias_ptrs = None
+        self._accumulators = None  # per-parameter views of flat per-dtype buffers
+        self._flats = None
+        self._anchor = None
+        self._pending = None  # weakref to the replayed loss whose backward has not run yet
+        self._warned_cpu = False
+        self.stats = collections.Counter()  # eager / captured / replayed calls (for tests/logs)
+
+    # -- public ------------------------------------------------------------------------------
+
+    def __call__(self, model, sample, compute):
+        key = self._key(model, sample)
+        if key is None:
+            self.stats["eager"] += 1
+            return compute(model, sample)
+        if self._pending is not None:
+            if self._pending() is not None:  # a replayed loss still waits for its backward
+                self.stats["eager"] += 1
+                return compute(model, sample)
+            self._pending = None
+        if self._params is not None:
+            self._check_aliases()  # drops the graphs if a parameter's storage was replaced
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            self._sightings[key] += 1
+            if self._sightings[key] <= self.capture_after:
+                self.stats["eager"] += 1
+                return compute(model, sample)
+            graphs = self._capture(model, sample, compute)
+            self._graphs[key] = graphs
+            self.stats["captured"] += 1
+            n = self.stats["captured"]
+            if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: enough to follow, not one line per shape
+                logger.info(f"--ls-cuda-graphs: captured {n} batch shape(s) so far "
+                            f"(latest {list(key[3][-1][0])} target tokens)")
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return self._replay_forward(graphs, sample)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _key(self, model, sample):
+        """Shape key of a graphable call, or None when this call must run eagerly."""
+        if not (torch.is_grad_enabled() and model.training):
+            return None
+        net_input, target = sample.get("net_input"), sample.get("target")
+        if not isinstance(net_input, dict) or not torch.is_tensor(target):
+            return None
+        tensors = [net_input[k] for k in sorted(net_input)] + [target]
+        if not all(torch.is_tensor(t) for t in tensors):
+            return None
+        if not all(t.is_cuda for t in tensors):
+            if not self._warned_cpu:
+                self._warned_cpu = True
+                logger.warning("--ls-cuda-graphs: the batch is not on a CUDA device; training "
+                               "runs eagerly (no CUDA graphs)")
+            return None
+        if _find_ddp(model):
+            raise ValueError(
+                "--ls-cuda-graphs cannot run under torch DistributedDataParallel (--ddp-backend "
+                "c10d / pytorch_ddp): it all-reduces gradients from per-parameter autograd "
+                "hooks that graph replay bypasses. Use --ddp-backend legacy_ddp (or no_c10d), "
+                "or drop --ls-cuda-graphs.")
+        return (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
+                tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+
+    def _setup(self, model):
+        if self._model_ref is not None and self._model_ref() is model:
+            return
+        if self._model_ref is not None:
+            raise ValueError("--ls-cuda-graphs: one criterion trains one model")
+        self._model_ref = weakref.ref(model)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        by_dtype = collections.OrderedDict()
+        for p in self._params:
+            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        self._flats, views = [], {}
+        for (dtype, device), ps in by_dtype.items():
+            offsets, total = [], 0
+            for p in ps:
+                offsets.append(total)
+                total += (p.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            self._flats.append(flat)
+            for p, off in zip(ps, offsets):
+                views[id(p)] = flat[off:off + p.numel()].view_as(p)
+        self._accumulators = [views[id(p)] for p in self._params]
+        self._anchor = torch.zeros((), device=self._params[0].device, requires_grad=True)
+
+    def _check_aliases(self):
+        """The graphs run the model on aliases of its parameters: leaves of their own that share
+        the parameters' storage (so replays read the current weights) but not their autograd
+        state. A parameter's gradient-accumulator node remembers the stream it was created on;
+        while any eager graph of the model is alive (a loss someone still holds), that is the
+        default stream, and a backward captured against the parameters themselves would make the
+        default stream wait on the capture ("operation would make the legacy stream depend on a
+        capturing blocking stream"). If a parameter's storage was replaced (``p.data = ...``,
+        ``model.half()``), the graphs read stale memory: drop them and alias again."""
+        ptrs = tuple(p.data_ptr() for p in self._params)
+        if ptrs == self._alias_ptrs:
+            return
+        if self._graphs:
+            logger.info("--ls-cuda-graphs: parameter storage changed; re-capturing")
+            self._graphs.clear()
+            self._pool = None  # a fresh memory pool for the new graphs
+        self._aliases = [p.detach().requires_grad_() for p in self._params]
+        self._alias_ptrs = ptrs
+
+    def _run(self, model, sample, compute):
+        """compute(model, sample) with the parameters swapped for their aliases."""
+        with _parameters_swapped(model, {id(p): a for p, a in zip(self._params, self._aliases)}):
+            return compute(model, sample)
+
+    def _static_sample(self, sample, static_inputs):
+        keys = sorted(sample["net_input"])
+        return {"net_input": dict(zip(keys, static_inputs[:-1])), "target": static_inputs[-1]}
+
+    def _grads(self, outputs, grad_output):
+        grads = torch.autograd.grad(outputs[0], self._aliases, grad_outputs=grad_output,
+                                    allow_unused=True)
+        pairs = [(a, g) for a, g in zip(self._accumulators, grads) if g is not None]
+        if pairs:
+            torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+
+    def _capture(self, model, sample, compute):
+        self._setup(model)
+        self._check_aliases()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=self._params[0].device)
+        keys = sorted(sample["net_input"])
+        static_inputs = [sample["net_input"][k].clone() for k in keys] + [sample["target"].clone()]
+        static_sample = self._static_sample(sample, static_inputs)
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        self._warm_up(model, static_sample, compute)
+        # capture_begin/end rather than torch.cuda.graph(): that context manager also runs
+        # gc.collect() and empties the allocator cache at every capture
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                outputs = self._captured(fwd, lambda: self._run(model, static_sample, compute))
+                if not torch.is_tensor(outputs[0]) or outputs[0].dim() != 0:
+                    raise ValueError("the criterion's loss must be a scalar tensor")
+                grad_output = torch.ones_like(outputs[0])
+                self._captured(bwd, lambda: self._grads(outputs, grad_output))
+        except Exception as exc:
+            raise RuntimeError(
+                f"--ls-cuda-graphs: capturing the training step of a batch of "
+                f"{list(static_inputs[-1].shape)} target tokens failed ({exc}). Train without "
+                f"--ls-cuda-graphs, and please report this.") from exc
+        current.wait_stream(self._stream)
+        static_outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
+        return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd)
+
+    def _warm_up(self, model, sample, compute):
+        """One eager step of this shape on the capture stream, its gradients dropped and its
+        dropout draws undone, before the capture (as torch's make_graphed_callables does): the
+        libraries pick, load and set up what these shapes need on this stream (cuBLAS kernels
+        and workspace) outside the capture. Without it, the second shape's capture failed in
+        cublasGemmEx (CUBLAS_STATUS_EXECUTION_FAILED) on the H100."""
+        rng = torch.cuda.get_rng_state()
+        with torch.cuda.stream(self._stream):
+            outputs = self._run(model, sample, compute)
+            torch.autograd.grad(outputs[0], self._aliases, allow_unused=True)
+            del outputs
+        torch.cuda.synchronize()
+        torch.cuda.set_rng_state(rng)
+
+    def _captured(self, graph, fn):
+        """fn() captured into graph. If fn raises, that error is the one reported (ending the
+        broken capture raises a second, uninformative one, which is dropped)."""
+        # thread_local: only this thread is barred from calls that are unsafe during a capture.
+        # In the default global mode a call from any thread breaks the capture, and fairseq's
+        # data loader pins memory (cudaHostAlloc, event queries) on its own thread meanwhile.
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        try:
+            out = fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture is already broken by the error above
+                pass
+            raise
+        graph.capture_end()
+        return out
+
+    def _replay_forward(self, graphs, sample):
+        keys = sorted(sample["net_input"])
+        for static, new in zip(graphs.static_inputs,
+                               [sample["net_input"][k] for k in keys] + [sample["target"]]):
+            static.copy_(new)
+        graphs.fwd.replay()
+        self.stats["replayed"] += 1
+        loss = _ReplayBackward.apply(self, graphs, self._anchor)
+        self._pending = weakref.ref(loss)
+        rest = tuple(o.clone() if torch.is_tensor(o) else o for o in graphs.outputs[1:])
+        return (loss,) + rest
+
+    def _replay_backward(self, graphs, grad):
+        self._pending = None
+        graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
+        foreign = []
+        if any(p.grad is None for p in self._params):
+            if all(p.grad is None for p in self._params):
+                for flat in self._flats:
+                    flat.zero_()
+                for p, acc in zip(self._params, self._accumulators):
+                    p.grad = acc
+            else:
+                for p, acc in zip(self._params, self._accumulators):
+                    if p.grad is None:
+                        acc.zero_()
+                        p.grad = acc
+        for p, acc in zip(self._params, self._accumulators):
+            if p.grad.data_ptr() != acc.data_ptr():  # a .grad someone else allocated
+                acc.zero_()
+                foreign.append((p, acc))
+        graphs.bwd.replay()
+        for p, acc in foreign:
+            p.grad.add_(acc)

@@ -1,0 +1,256 @@
+"""``--ls-cuda-graphs``: replayed training steps vs eager steps of the same criterion and model.
+
+The replayed graphs launch the same kernels on the same inputs as the eager step, so with dropout
+off losses and gradients agree to rounding (tolerance: relative 1e-5 in fp32, 1e-2 of the
+tensor's max in fp16 — cuBLAS may pick another algorithm on the capture stream, which reorders
+fp16 sums; fp16 gradients carry ~1e-3 relative rounding). With dropout on, the CUDA generator
+advances at every replay exactly as an eager step would, so a replay from the same seed draws
+the same masks as the eager step (same tolerances).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch  # noqa: E402
+from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
+    LSLabelSmoothedCrossEntropyCriterion,
+)
+
+pytestmark = pytest.mark.gpu
+
+SMALL = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "64",
+         "--encoder-ffn-embed-dim", "136", "--encoder-attention-heads", "4",
+         "--decoder-attention-heads", "4", "--share-all-embeddings"]
+SHAPES = [(8, 13, 11), (5, 29, 31), (8, 13, 11), (3, 7, 40), (5, 29, 31), (8, 13, 11),
+          (8, 13, 11), (3, 7, 40)]
+
+
+@pytest.fixture(scope="module")
+def dictionary():
+    return make_dictionary(203)
+
+
+@pytest.fixture(autouse=True)
+def kernels_required(monkeypatch):
+    monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "require")
+
+
+def _sample(dictionary, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    src, src_lengths, prev, tgt = random_batch(dictionary, *shape, generator=g)
+    return {
+        "net_input": {"src_tokens": src.cuda(), "src_lengths": src_lengths.cuda(),
+                      "prev_output_tokens": prev.cuda()},
+        "target": tgt.cuda(),
+        "ntokens": int(tgt.ne(dictionary.pad()).sum()),
+    }
+
+
+def _pair(dictionary, dtype, dropout, **crit):
+    extra = SMALL + ["--dropout", str(dropout), "--attention-dropout", str(dropout),
+                     "--activation-dropout", str(dropout)]
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1, **crit)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True, **kwargs)
+    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    return eager, graphed, m1, m2
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def _step(crit, model, samples, scale, seed):
+    """One update's forward/backward over ``samples`` (update-freq len(samples)), fairseq-style:
+    .grad set to None first, loss scaled before backward."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    logs = []
+    for sample in samples:
+        loss, _, log = crit(model, sample)
+        (loss * scale).backward()
+        logs.append((float(log["loss"]), float(log["nll_loss"])))
+    return logs, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_replay_matches_eager(dictionary, dtype, dropout):
+    eager, graphed, m1, m2 = _pair(dictionary, dtype, dropout)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    scale = 1.0 if dtype == torch.float32 else 128.0
+    for i, shape in enumerate(SHAPES):
+        # updates of one or two micro-batches (--update-freq 2), shapes seen 1..4 times
+        samples = [_sample(dictionary, shape, 100 + i)]
+        if i % 3 == 1:
+            samples.append(_sample(dictionary, SHAPES[(i + 2) % len(SHAPES)], 200 + i))
+        logs_e, grads_e = _step(eager, m1, samples, scale, seed=i)
+        logs_g, grads_g = _step(graphed, m2, samples, scale, seed=i)
+        for (le, ne), (lg, ng) in zip(logs_e, logs_g):
+            assert abs(lg - le) <= tol * abs(le), (i, shape, le, lg)
+            assert abs(ng - ne) <= tol * abs(ne), (i, shape, ne, ng)
+        assert grads_e.keys() == grads_g.keys()
+        for k in grads_e:
+            assert _rel(grads_g[k], grads_e[k]) <= tol, (i, shape, k, _rel(grads_g[k], grads_e[k]))
+        with torch.no_grad():  # an optimizer step, same on both, so later steps see new weights
+            for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                p1.add_(p1.grad, alpha=-1e-3 / scale)
+                p2.copy_(p1)
+    assert graphed.graphs.stats["captured"] == 3
+    assert graphed.graphs.stats["replayed"] >= 5
+
+
+def test_replays_draw_new_dropout_masks(dictionary):
+    _, graphed, _, model = _pair(dictionary, torch.float32, 0.3)
+    sample = _sample(dictionary, (6, 17, 19), 1)
+    losses = []
+    for _ in range(4):
+        loss, _, _ = graphed(model, sample)
+        loss.backward()
+        losses.append(float(loss))
+    assert graphed.graphs.stats["replayed"] == 3  # sighting 1 eager, 2 captured + replayed
+    assert losses[2] != losses[3], "two replays drew the same dropout masks"
+
+
+def test_zero_loss_gradient_and_foreign_grads(dictionary):
+    """fairseq's dummy batches do ``loss *= 0`` before backward: the replay adds zero
+    gradients. A .grad allocated elsewhere is added to, not replaced."""
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
+    sample = _sample(dictionary, (4, 9, 10), 3)
+    for _ in range(2):  # capture
+        graphed(m2, sample)[0].backward()
+    for p in m2.parameters():
+        p.grad = torch.ones_like(p)
+    loss, _, _ = graphed(m2, sample)
+    loss *= 0
+    loss.backward()
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in m2.parameters())
+    loss, _, _ = graphed(m2, sample)
+    loss.backward()
+    eager(m1, sample)[0].backward()
+    # absolute, against the model's largest gradient: the +1 rounds each entry to ~6e-8, and
+    # some gradients (k_proj.bias: softmax is shift-invariant) are zero up to rounding
+    scale = max(float(p.grad.abs().max()) for p in m1.parameters())
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert float((p2.grad - 1 - p1.grad).abs().max()) <= 1e-5 * scale, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_capture_while_an_eager_graph_is_alive(dictionary, dtype):
+    """A loss of an earlier eager step still held (with its autograd graph) while a shape is
+    captured: the parameters' gradient-accumulator nodes then belong to the default stream.
+    Capture must still work (it runs on aliases of the parameters) and give eager's gradients."""
+    eager, graphed, m1, m2 = _pair(dictionary, dtype, 0.0)
+    sample = _sample(dictionary, (7, 21, 23), 9)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    held = []
+    for _ in range(3):  # eager, captured + replayed, replayed
+        for p in m2.parameters():
+            p.grad = None
+        loss, _, _ = graphed(m2, sample)
+        loss.backward()
+        held.append(loss)
+    assert graphed.graphs.stats["captured"] == 1 and graphed.graphs.stats["replayed"] == 2
+    eager(m1, sample)[0].backward()
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert _rel(p2.grad, p1.grad) <= tol, k
+
+
+def test_replaced_parameter_storage_recaptures(dictionary):
+    """``p.data = ...`` (e.g. a checkpoint loader that replaces tensors) invalidates the graphs,
+    which read the old storage: they are dropped and the shape is captured again."""
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
+    sample = _sample(dictionary, (4, 9, 10), 3)
+    for _ in range(3):
+        graphed(m2, sample)[0].backward()
+    with torch.no_grad():
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            p1.mul_(1.5)
+            p2.data = p1.data.clone()  # new storage, new values
+    for p in list(m1.parameters()) + list(m2.parameters()):
+        p.grad = None
+    for _ in range(3):  # the sighting counter is kept: captured again at once, then replayed
+        for p in m2.parameters():
+            p.grad = None
+        loss, _, _ = graphed(m2, sample)
+        loss.backward()
+    assert graphed.graphs.stats["captured"] == 2
+    want = eager(m1, sample)[0]
+    want.backward()
+    assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert _rel(p2.grad, p1.grad) <= 1e-5, k
+
+
+def test_second_forward_before_backward_runs_eagerly(dictionary):
+    """Two forwards before their backwards: the second must not overwrite the activations the
+    first replay's backward still needs (shared memory pool), so it runs eagerly."""
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
+    a, b = _sample(dictionary, (4, 9, 10), 3), _sample(dictionary, (4, 9, 10), 4)
+    for _ in range(2):
+        graphed(m2, a)[0].backward()
+    for p in m2.parameters():
+        p.grad = None
+    la, _, _ = graphed(m2, a)
+    lb, _, _ = graphed(m2, b)
+    assert graphed.graphs.stats["eager"] == 2  # the first sighting, and b while a was pending
+    (la + lb).backward()
+    (eager(m1, a)[0] + eager(m1, b)[0]).backward()
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert _rel(p2.grad, p1.grad) <= 1e-5, k
+
+
+def test_least_recently_used_graphs_dropped(dictionary):
+    task = DummyTask(dictionary)
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1,
+                                                ls_cuda_graphs=True, ls_cuda_graphs_max=2)
+    model = build_model("ls_transformer", dictionary, SMALL + ["--dropout", "0"]).cuda().train()
+    for shape in [(2, 5, 6), (2, 5, 6), (3, 5, 6), (3, 5, 6), (4, 5, 6), (4, 5, 6), (2, 5, 6)]:
+        crit(model, _sample(dictionary, shape, 0))[0].backward()
+    assert len(crit.graphs._graphs) == 2
+    assert crit.graphs.stats["captured"] == 4  # (2, 5, 6) was dropped, then captured again
+
+
+@pytest.mark.parametrize("more", [[], ["--ls-fused-fp16-copy"]], ids=["fp16", "fp16_fused_copy"])
+def test_fairseq_train_same_losses(tmp_path, more):
+    """fairseq-train (--fp16, dropout 0, 9 epochs of a tiny corpus, so batch shapes repeat):
+    --ls-cuda-graphs logs the same losses as the eager run (fairseq rounds them to 3 decimals;
+    tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream)."""
+    from test_end_to_end import losses, train
+
+    data = _tiny_data(tmp_path)
+    common = ["--share-all-embeddings", "--dropout", "0", "--fp16", "--max-epoch", "9",
+              "--no-save"] + more
+    eager = train(data, tmp_path / "eager", "ls_transformer", common, 200)
+    graphed = train(data, tmp_path / "graphed", "ls_transformer", common + ["--ls-cuda-graphs"],
+                    200)
+    assert "--ls-cuda-graphs: captured" in graphed
+    le, lg = losses(eager), losses(graphed)
+    assert len(le) == len(lg) >= 10
+    assert max(abs(a - b) for a, b in zip(le, lg)) <= 0.01, (le, lg)
+
+
+def _tiny_data(tmp_path):
+    import random
+
+    from test_end_to_end import fairseq_cli, run
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(30)]
+    for split, n in (("train", 400), ("valid", 40)):
+        with open(tmp_path / f"{split}.src", "w") as fs, open(tmp_path / f"{split}.tgt", "w") as ft:
+            for _ in range(n):
+                sent = [rng.choice(words) for _ in range(rng.randint(1, 11))]
+                fs.write(" ".join(sent) + "\n")
+                ft.write(" ".join(reversed(sent)) + "\n")
+    run(fairseq_cli("preprocess") + [
+        "--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(tmp_path / "train"),
+        "--validpref", str(tmp_path / "valid"), "--destdir", str(tmp_path / "bin"),
+        "--joined-dictionary", "--workers", "1"])
+    return tmp_path / "bin"
