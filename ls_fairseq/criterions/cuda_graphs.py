@@ -9,8 +9,9 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 * The first time a batch shape (the shapes and dtypes of ``net_input`` and ``target``) is seen,
   the step runs eagerly as usual (lazily grown tables, cuBLAS handles). At the second sighting
   one more eager step, whose gradients are dropped, warms the capture stream up; then the
-  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a second, which adds the gradients
-  into fixed accumulator buffers; from then on the shape is replayed.
+  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of
+  the loss into a second, which adds the gradients into fixed accumulator buffers; from then on
+  the shape is replayed.
 * The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
   usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
