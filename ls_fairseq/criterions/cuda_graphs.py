@@ -109,11 +109,7 @@ class CudaGraphedLoss:
     outputs (``nll_loss``, accuracy counts) come back without gradient.
     """
 
-    def __init__(self, capture_after: int = 1, max_graphs: int = 256):
-        if capture_after < 1:
-            raise ValueError("--ls-cuda-graphs-after must be >= 1 (the first sighting of a batch "
-                             "shape runs eagerly and warms up)")
-        self.capture_after = capture_after
+    def __init__(self, max_graphs: int = 256):
         self.max_graphs = max_graphs
         self._graphs = collections.OrderedDict()  # key -> _Graphs, least recently used first
         self._sightings = collections.Counter()
@@ -121,7 +117,6 @@ class CudaGraphedLoss:
         self._stream = None
         self._model_ref = None
         self._params = None
-        self._names = None
         self._aliases = None
         self._alias_ptrs = None
         self._accumulators = None  # per-parameter views of flat per-dtype buffers
@@ -148,7 +143,7 @@ class CudaGraphedLoss:
         graphs = self._graphs.get(key)
         if graphs is None:
             self._sightings[key] += 1
-            if self._sightings[key] <= self.capture_after:
+            if self._sightings[key] == 1:  # first sighting: eager (it also grows lazy tables)
                 self.stats["eager"] += 1
                 return compute(model, sample)
             graphs = self._capture(model, sample, compute)
@@ -197,9 +192,7 @@ class CudaGraphedLoss:
         if self._model_ref is not None:
             raise ValueError("--ls-cuda-graphs: one criterion trains one model")
         self._model_ref = weakref.ref(model)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        self._params = [p for p in model.parameters() if p.requires_grad]
         by_dtype = collections.OrderedDict()
         for p in self._params:
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
@@ -330,21 +323,19 @@ class CudaGraphedLoss:
         self._pending = None
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
         foreign = []
-        if any(p.grad is None for p in self._params):
-            if all(p.grad is None for p in self._params):
-                for flat in self._flats:
-                    flat.zero_()
-                for p, acc in zip(self._params, self._accumulators):
+        if all(p.grad is None for p in self._params):  # fairseq's zero_grad: set to None
+            for flat in self._flats:
+                flat.zero_()
+            for p, acc in zip(self._params, self._accumulators):
+                p.grad = acc
+        else:
+            for p, acc in zip(self._params, self._accumulators):
+                if p.grad is None:
+                    acc.zero_()
                     p.grad = acc
-            else:
-                for p, acc in zip(self._params, self._accumulators):
-                    if p.grad is None:
-                        acc.zero_()
-                        p.grad = acc
-        for p, acc in zip(self._params, self._accumulators):
-            if p.grad.data_ptr() != acc.data_ptr():  # a .grad someone else allocated
-                acc.zero_()
-                foreign.append((p, acc))
+                elif p.grad.data_ptr() != acc.data_ptr():  # a .grad someone else allocated
+                    acc.zero_()
+                    foreign.append((p, acc))
         graphs.bwd.replay()
         for p, acc in foreign:
             p.grad.add_(acc)
