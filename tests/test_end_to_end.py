@@ -57,8 +57,12 @@ def fairseq_cli(name):
 
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
-    """A reversal task: learnable in a few hundred updates, with varied lengths."""
-    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
+
+
+def make_tiny_data(root):
+    """A reversal task: learnable in a few hundred updates, with varied lengths; binarised into
+    ``root / "bin"``."""
     rng = random.Random(0)
     words = [f"w{i}" for i in range(30)]
     for split, n in (("train", 400), ("valid", 40), ("test", 24)):

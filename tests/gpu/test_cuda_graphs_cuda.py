@@ -222,9 +222,9 @@ def test_fairseq_train_same_losses(tmp_path, more):
     """fairseq-train (--fp16, dropout 0, 9 epochs of a tiny corpus, so batch shapes repeat):
     --ls-cuda-graphs logs the same losses as the eager run (fairseq rounds them to 3 decimals;
     tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream)."""
-    from test_end_to_end import losses, train
+    from test_end_to_end import losses, make_tiny_data, train
 
-    data = _tiny_data(tmp_path)
+    data = make_tiny_data(tmp_path)
     common = ["--share-all-embeddings", "--dropout", "0", "--fp16", "--max-epoch", "9",
               "--no-save"] + more
     eager = train(data, tmp_path / "eager", "ls_transformer", common, 200)
@@ -235,22 +235,3 @@ def test_fairseq_train_same_losses(tmp_path, more):
     assert len(le) == len(lg) >= 10
     assert max(abs(a - b) for a, b in zip(le, lg)) <= 0.01, (le, lg)
 
-
-def _tiny_data(tmp_path):
-    import random
-
-    from test_end_to_end import fairseq_cli, run
-
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(30)]
-    for split, n in (("train", 400), ("valid", 40)):
-        with open(tmp_path / f"{split}.src", "w") as fs, open(tmp_path / f"{split}.tgt", "w") as ft:
-            for _ in range(n):
-                sent = [rng.choice(words) for _ in range(rng.randint(1, 11))]
-                fs.write(" ".join(sent) + "\n")
-                ft.write(" ".join(reversed(sent)) + "\n")
-    run(fairseq_cli("preprocess") + [
-        "--source-lang", "src", "--target-lang", "tgt", "--trainpref", str(tmp_path / "train"),
-        "--validpref", str(tmp_path / "valid"), "--destdir", str(tmp_path / "bin"),
-        "--joined-dictionary", "--workers", "1"])
-    return tmp_path / "bin"
