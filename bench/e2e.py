@@ -130,13 +130,18 @@ def train_cmd(data, variant, max_tokens, epochs, seed, extra):
     return cmd + list(extra)
 
 
+def log_records(text):
+    """("train_inner" | "train", stats) for each json stats line of a fairseq-train log, in order:
+    "... | INFO | train_inner | {...}" from fairseq-train, "INFO:train_inner:{...}" from the worker
+    processes fairseq spawns for --distributed-world-size > 1 (default logging format)."""
+    for m in re.finditer(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", text, re.M):
+        yield m.group(1), json.loads(m.group(2))
+
+
 def parse_log(text):
     inner, epochs = [], {}
-    # "... | INFO | train_inner | {...}" from fairseq-train; "INFO:train_inner:{...}" from the
-    # worker processes fairseq spawns for --distributed-world-size > 1 (default logging format)
-    for m in re.finditer(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", text, re.M):
-        stats = json.loads(m.group(2))
-        if m.group(1) == "train_inner":
+    for kind, stats in log_records(text):
+        if kind == "train_inner":
             inner.append(stats)
         else:  # end-of-epoch stats carry a "train_" prefix
             stats = {k[len("train_"):] if k.startswith("train_") else k: v for k, v in stats.items()}

@@ -16,7 +16,6 @@ Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
 """
 import argparse
 import functools
-import json
 import os
 import re
 import subprocess
@@ -150,12 +149,12 @@ def steady_wps(log):
     an epoch in 1/N of the updates), so keeping it would bias the ratio; on WMT14 an epoch is
     thousands of updates."""
     wps, after_epoch = [], False
-    for m in re.finditer(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", log, re.M):
-        if m.group(1) == "train":
+    for kind, stats in e2e.log_records(log):
+        if kind == "train":
             after_epoch = True
             continue
         if not after_epoch:
-            wps.append(float(json.loads(m.group(2))["wps"]))
+            wps.append(float(stats["wps"]))
         after_epoch = False
     steady = wps[len(wps) // 2:]
     return sum(steady) / len(steady) if steady else float("nan")
