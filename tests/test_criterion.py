@@ -5,6 +5,7 @@ parameter gradient must agree. Tolerance: relative 1e-6 on losses (fp32 sums of 
 a different order) and the gradient rule of test_model_equivalence.
 """
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,3 +145,40 @@ def test_cuda_graphs_aliases_match_the_parameters(dictionary):
     p0.data = p0.data.clone()
     runner._check_aliases()
     assert runner._aliases is not aliases and runner._aliases[0].data_ptr() == p0.data_ptr()
+
+
+def test_cuda_graphs_replay_backward_bookkeeping(dictionary):
+    """Where a replayed backward's gradients land, on CPU with a stand-in backward graph that adds
+    1 to every accumulator: fairseq's zero_grad (all .grad None) gives fresh zeroed accumulators;
+    a None .grad among others gets its zeroed accumulator; a .grad allocated elsewhere is added
+    to; accumulators already in .grad keep accumulating (--update-freq)."""
+    class _AddOne:
+        def __init__(self, flats):
+            self.flats = flats
+
+        def replay(self):
+            for flat in self.flats:
+                flat.add_(1)
+
+    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
+                                                label_smoothing=0.1, ls_cuda_graphs=True)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    runner = crit.graphs
+    runner._setup(model)
+    graphs = SimpleNamespace(grad_output=torch.zeros(()), bwd=_AddOne(runner._flats))
+    params = runner._params
+    for flat in runner._flats:
+        flat.fill_(5)  # stale values from an earlier update
+    runner._replay_backward(graphs, torch.tensor(2.0))
+    assert float(graphs.grad_output) == 2.0
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+    assert all(p.grad.data_ptr() == a.data_ptr() for p, a in zip(params, runner._accumulators))
+    runner._replay_backward(graphs, torch.tensor(1.0))  # second micro-batch: accumulates
+    assert all(torch.equal(p.grad, torch.full_like(p, 2)) for p in params)
+    params[0].grad = None
+    params[1].grad = torch.full_like(params[1], 7.0)  # someone else's tensor
+    foreign = params[1].grad
+    runner._replay_backward(graphs, torch.tensor(1.0))
+    assert torch.equal(params[0].grad, torch.ones_like(params[0]))
+    assert params[1].grad is foreign and torch.equal(foreign, torch.full_like(foreign, 8))
+    assert all(torch.equal(p.grad, torch.full_like(p, 3)) for p in params[2:])
