@@ -178,6 +178,7 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
                 "profile": json.loads(found[-1]) if found else None}
     row = {"variant": variant, "max_tokens": max_tokens, "wall_s": wall, "peak_gb": peak / 2**30 if peak else None}
     row["wps_by_epoch"] = [float(epochs[e]["wps"]) for e in sorted(epochs)]
+    row["updates_through_epoch"] = [int(epochs[e]["num_updates"]) for e in sorted(epochs)]
     for e, key in ((1, "unseen"), (max(epochs, default=2), "steady")):
         if e in epochs:
             row[f"wps_{key}"] = float(epochs[e]["wps"])
@@ -263,8 +264,12 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=800.0)
     ap.add_argument("--profile", action="store_true",
-                    help="also profile 5 updates (from update 40) of baseline_nocudnn and ls at the "
-                         "first --max-tokens, in separate short runs")
+                    help="also profile 5 updates of --profile-variants at the first --max-tokens, in "
+                         "separate runs that stop after the profiled updates")
+    ap.add_argument("--profile-variants", default="baseline_nocudnn,ls")
+    ap.add_argument("--profile-epoch", type=int, default=1,
+                    help="profile from the 20th update of this epoch (e.g. the last one, where "
+                         "ls_graphs replays); its start comes from the variant's training run")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--json", default=None)
@@ -288,9 +293,14 @@ def main():
             print(json.dumps(r), flush=True)
     profiles = []
     if args.profile:
-        for variant in ("baseline_nocudnn", "ls"):
-            p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=40,
-                            extra=["--max-update", "46"])
+        for variant in args.profile_variants.split(","):
+            trained = next((r for r in rows if r["variant"] == variant
+                            and r["max_tokens"] == args.max_tokens[0] and "error" not in r), {})
+            before = ([0] + trained.get("updates_through_epoch", []))[args.profile_epoch - 1:]
+            at = (before[0] if before else 0) + 20
+            p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=at,
+                            extra=["--max-update", str(at + 6)])
+            p["profile_at"] = at
             profiles.append(p)
             print(json.dumps(p), flush=True)
     import torch

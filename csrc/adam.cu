@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "check.h"
+#include "device_utils.cuh"
 
 namespace ls_fairseq_adam {
 
@@ -48,20 +49,9 @@ constexpr int kCols = 9;           // int64 columns of the segment table
 enum Col { kP = 0, kG, kM, kV, kOut, kNumel, kMScale, kVScale, kChunkBegin };
 enum OutKind { kOutNone = 0, kOutHalf = 1, kOutBF16 = 2 };
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) VecN {
-  T v[N];
-};
+using lsf::from_float;
+using lsf::to_float;
+using lsf::Pack;
 
 struct Hyper {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size, grad_scale;
@@ -111,19 +101,19 @@ __device__ __forceinline__ void process_scalar(const SegmentView& s, int64_t i, 
                                                float gscale, float ms_old, float vs_old,
                                                float ms_new, float vs_new, int out_kind,
                                                float& mmax, float& vmax, bool& bad) {
-  float g = to_f(static_cast<const G*>(s.g)[i]) * gscale;
-  float p = to_f(static_cast<P*>(s.p)[i]);
-  float m = to_f(static_cast<M*>(s.m)[i]) * ms_old;
-  float v = to_f(static_cast<M*>(s.v)[i]) * vs_old;
+  float g = to_float(static_cast<const G*>(s.g)[i]) * gscale;
+  float p = to_float(static_cast<P*>(s.p)[i]);
+  float m = to_float(static_cast<M*>(s.m)[i]) * ms_old;
+  float v = to_float(static_cast<M*>(s.v)[i]) * vs_old;
   if (!adam_update(g, p, m, v, h)) { bad = true; return; }
   if (kStatsPass) {
     mmax = fmaxf(mmax, fabsf(m));
     vmax = fmaxf(vmax, v);
     return;
   }
-  static_cast<P*>(s.p)[i] = from_f<P>(p);
-  static_cast<M*>(s.m)[i] = from_f<M>(m / ms_new);
-  static_cast<M*>(s.v)[i] = from_f<M>(v / vs_new);
+  static_cast<P*>(s.p)[i] = from_float<P>(p);
+  static_cast<M*>(s.m)[i] = from_float<M>(m / ms_new);
+  static_cast<M*>(s.v)[i] = from_float<M>(v / vs_new);
   store_out(s.out, out_kind, i, p);
 }
 
@@ -137,44 +127,44 @@ __device__ __forceinline__ int64_t process_vec(const SegmentView& s, int64_t beg
   const int64_t nvec = (end - begin) / N;
   for (int64_t k = threadIdx.x; k < nvec; k += kThreads) {
     const int64_t i = begin + k * N;
-    const VecN<G, N> gv = *reinterpret_cast<const VecN<G, N>*>(static_cast<const G*>(s.g) + i);
-    VecN<P, N> pv = *reinterpret_cast<const VecN<P, N>*>(static_cast<P*>(s.p) + i);
-    VecN<M, N> mv = *reinterpret_cast<const VecN<M, N>*>(static_cast<M*>(s.m) + i);
-    VecN<M, N> vv = *reinterpret_cast<const VecN<M, N>*>(static_cast<M*>(s.v) + i);
+    const Pack<G, N> gv = *reinterpret_cast<const Pack<G, N>*>(static_cast<const G*>(s.g) + i);
+    Pack<P, N> pv = *reinterpret_cast<const Pack<P, N>*>(static_cast<P*>(s.p) + i);
+    Pack<M, N> mv = *reinterpret_cast<const Pack<M, N>*>(static_cast<M*>(s.m) + i);
+    Pack<M, N> vv = *reinterpret_cast<const Pack<M, N>*>(static_cast<M*>(s.v) + i);
     float pf[N];
     bool ok_all = true;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
-      float g = to_f(gv.v[e]) * gscale;
-      float p = to_f(pv.v[e]);
-      float m = to_f(mv.v[e]) * ms_old;
-      float v = to_f(vv.v[e]) * vs_old;
+      float g = to_float(gv.v[e]) * gscale;
+      float p = to_float(pv.v[e]);
+      float m = to_float(mv.v[e]) * ms_old;
+      float v = to_float(vv.v[e]) * vs_old;
       const bool ok = adam_update(g, p, m, v, h);
       ok_all = ok_all && ok;
       if (kStatsPass) {
         if (ok) { mmax = fmaxf(mmax, fabsf(m)); vmax = fmaxf(vmax, v); }
       } else if (ok) {
-        pv.v[e] = from_f<P>(p);
-        mv.v[e] = from_f<M>(m / ms_new);
-        vv.v[e] = from_f<M>(v / vs_new);
+        pv.v[e] = from_float<P>(p);
+        mv.v[e] = from_float<M>(m / ms_new);
+        vv.v[e] = from_float<M>(v / vs_new);
       }
-      pf[e] = ok ? p : to_f(pv.v[e]);
+      pf[e] = ok ? p : to_float(pv.v[e]);
     }
     if (!ok_all) bad = true;
     if (!kStatsPass) {
-      *reinterpret_cast<VecN<P, N>*>(static_cast<P*>(s.p) + i) = pv;
-      *reinterpret_cast<VecN<M, N>*>(static_cast<M*>(s.m) + i) = mv;
-      *reinterpret_cast<VecN<M, N>*>(static_cast<M*>(s.v) + i) = vv;
+      *reinterpret_cast<Pack<P, N>*>(static_cast<P*>(s.p) + i) = pv;
+      *reinterpret_cast<Pack<M, N>*>(static_cast<M*>(s.m) + i) = mv;
+      *reinterpret_cast<Pack<M, N>*>(static_cast<M*>(s.v) + i) = vv;
       if (okind == kOutHalf) {
-        VecN<__half, N> o;
+        Pack<__half, N> o;
 #pragma unroll
         for (int e = 0; e < N; ++e) o.v[e] = __float2half_rn(pf[e]);
-        *reinterpret_cast<VecN<__half, N>*>(static_cast<__half*>(s.out) + i) = o;
+        *reinterpret_cast<Pack<__half, N>*>(static_cast<__half*>(s.out) + i) = o;
       } else if (okind == kOutBF16) {
-        VecN<__nv_bfloat16, N> o;
+        Pack<__nv_bfloat16, N> o;
 #pragma unroll
         for (int e = 0; e < N; ++e) o.v[e] = __float2bfloat16_rn(pf[e]);
-        *reinterpret_cast<VecN<__nv_bfloat16, N>*>(static_cast<__nv_bfloat16*>(s.out) + i) = o;
+        *reinterpret_cast<Pack<__nv_bfloat16, N>*>(static_cast<__nv_bfloat16*>(s.out) + i) = o;
       }
     }
   }

@@ -22,21 +22,15 @@
 #include <cstdint>
 
 #include "check.h"
+#include "device_utils.cuh"
 
 namespace ls_fairseq_ce {
 
 constexpr int kMaxThreads = 256;
 constexpr int kUnroll = 4;  // vectors loaded before any is used: memory-level parallelism
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using lsf::from_float;
+using lsf::to_float;
 
 // 16-byte vector of T.
 template <typename T>

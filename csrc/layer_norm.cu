@@ -36,32 +36,17 @@
 #include <type_traits>
 
 #include "check.h"
+#include "device_utils.cuh"
 #include "launch_utils.h"
 
 namespace {
 
-using namespace lsf;  // helpers from launch_utils.h
+using namespace lsf;  // helpers from launch_utils.h and device_utils.cuh (to_float, Pack)
 
 
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;    // warp-per-row kernels
 constexpr int kBlockThreads = 256;   // block-per-row kernels
-
-// ---------------------------------------------------------------- dtype helpers
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 template <typename T, int VEC>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[VEC]) {
