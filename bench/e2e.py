@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+import profile_summary
+
 FLOP_PER_TOKEN = 1.27e9
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -299,7 +301,7 @@ def main():
             before = ([0] + trained.get("updates_through_epoch", []))[args.profile_epoch - 1:]
             at = (before[0] if before else 0) + 20
             p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=at,
-                            extra=["--max-update", str(at + 6)])
+                            extra=["--max-update", str(at + 8 + profile_summary.PY_STEPS)])
             p["profile_at"] = at
             profiles.append(p)
             print(json.dumps(p), flush=True)

@@ -1,17 +1,25 @@
 """Profile a window of fairseq training updates and say where the GPU time goes.
 
-Used by bench/e2e.py (``--profile-at N``): wraps ``fairseq.trainer.Trainer.train_step`` in the
+Used by bench/e2e.py (``--profile``): wraps ``fairseq.trainer.Trainer.train_step`` in the
 benchmark process only, runs ``torch.profiler`` over ``steps`` updates starting at update ``at``,
 and prints/writes a summary: wall time per update, GPU busy time split into GEMM, attention,
 other kernels and memory copies, and idle GPU time (launch gaps, host synchronisation), plus the
-top kernels.
+top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of the whole
+training loop (cProfile: which fairseq/ls_fairseq functions take the host's time between the
+GPU's work) and the call sites of every host synchronisation (torch's sync debug mode).
 """
+import cProfile
+import collections
 import json
+import pstats
 import re
 import time
+import traceback
+import warnings
 
 import torch
 
+PY_STEPS = 20
 GEMM = re.compile(r"gemm|cutlass|xmma|cublas|sm90_|hgmma|matmul|ampere_|s1688|s16816", re.I)
 _ANNOTATION = re.compile(r"^(forward|backward|optimizer|clip-grads|train_step-\d+|ProfilerStep|"
                          r"Optimizer\.|aten::|autograd::|## )")
@@ -46,10 +54,10 @@ def summarize(prof, wall_s, steps):
         per_name[name] = per_name.get(name, 0.0) + d
         if "memcpy" in name.lower() or "memset" in name.lower():
             cats["memcpy/memset"] += d
+        elif ATTN.search(name):  # before GEMM: "fmha_cutlass..." matches both
+            cats["attention"] += d
         elif GEMM.search(name):
             cats["gemm"] += d
-        elif ATTN.search(name):
-            cats["attention"] += d
         else:
             cats["other"] += d
     wall_us = wall_s * 1e6
@@ -93,11 +101,44 @@ def host_summary(prof, steps):
     }
 
 
+_PY_FILES = re.compile(r"fairseq|ls_fairseq|torch/utils/data|threading|queue")
+
+
+def python_summary(prof, steps, syncs):
+    """ms per update of the functions of fairseq / ls_fairseq / the data loader (cumulative and
+    self time), and the host synchronisations per update by call site."""
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        if _PY_FILES.search(path):
+            rows.append((f"{_short(path)}:{line}({func})", cumtime, tottime, ncalls))
+    top_cum = sorted(rows, key=lambda r: -r[1])[:40]
+    top_self = sorted(rows, key=lambda r: -r[2])[:25]
+    per = lambda r: [r[0], round(r[1] / steps * 1e3, 3), round(r[2] / steps * 1e3, 3), r[3] / steps]
+    return {"py_steps": steps,
+            "py_top_cumulative_ms_per_step": [per(r) for r in top_cum],
+            "py_top_self_ms_per_step": [per(r) for r in top_self],
+            "host_syncs_per_step_by_site": [[k, v / steps] for k, v in syncs.most_common(20)]}
+
+
+def _short(path):
+    return re.sub(r".*/(fairseq_cli|fairseq|ls_fairseq|torch)/", r"\1/", path)
+
+
+def _sync_site():
+    """The innermost frames outside torch of the current stack (where a synchronising call
+    came from)."""
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if "/torch/" not in f.filename and "warnings" not in f.filename]
+    return " <- ".join(f"{_short(f.filename)}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))
+
+
 def install(at, steps, out_path=None):
     from fairseq import trainer as trainer_mod
 
     original = trainer_mod.Trainer.train_step
-    state = {"calls": 0, "prof": None, "t0": None}
+    state = {"calls": 0, "prof": None, "t0": None, "py": None, "syncs": collections.Counter()}
+    py_at = at + steps + 2  # a few updates after the torch.profiler window
 
     def train_step(self, samples, raise_oom=False):
         state["calls"] += 1
@@ -113,12 +154,33 @@ def install(at, steps, out_path=None):
             torch.cuda.synchronize()
             wall = time.perf_counter() - state["t0"]
             state["prof"].__exit__(None, None, None)
-            summary = summarize(state["prof"], wall, steps)
+            state["summary"] = summarize(state["prof"], wall, steps)
+            state["prof"] = None
+        if n == py_at - 1:  # start after this update: the window is whole updates
+            state["py"] = cProfile.Profile()
+            torch.cuda.set_sync_debug_mode("warn")
+            state["py"].enable()
+        if n == py_at + PY_STEPS - 1 and state["py"] is not None:
+            state["py"].disable()
+            torch.cuda.set_sync_debug_mode("default")
+            summary = dict(state.get("summary") or {})
+            summary.update(python_summary(state["py"], PY_STEPS, state["syncs"]))
+            state["py"] = None
             print("BENCH_PROFILE " + json.dumps(summary), flush=True)
             if out_path:
                 with open(out_path, "w") as f:
                     json.dump(summary, f, indent=1)
-            state["prof"] = None
         return result
+
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if state["py"] is not None and "synchronizing" in str(message):
+            state["syncs"][_sync_site()] += 1
+            return
+        return shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    warnings.filterwarnings("always", message=".*synchroniz.*")
 
     trainer_mod.Trainer.train_step = train_step

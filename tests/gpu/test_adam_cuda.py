@@ -431,3 +431,43 @@ def test_fused_copy_frees_the_fp32_grad_buffer():
     cfg = _cfg("ls_adam", ["--ls-fused-fp16-copy"])
     opt = FP16Optimizer.build_optimizer(cfg, list(_model(torch.float16).parameters()))
     assert all(t.grad is None for t in opt.fp32_params.values())
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_fused_copy_grad_norm_is_fairseqs_with_one_host_sync(clip):
+    """LSFusedFP16Optimizer.clip_grad_norm returns fairseq's grad norm (within fp32 summation
+    order) as a CPU tensor: it waits for the GPU once, and the trainer's later isfinite() tests of
+    the result (one of them after the optimizer step) do not wait at all."""
+    import warnings
+
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    norms = {}
+    for name, extra in (("fairseq", []), ("fused", ["--ls-fused-fp16-copy"])):
+        model = _model(torch.float16, seed=3)
+        opt = FP16Optimizer.build_optimizer(_cfg("ls_adam", ["--clip-norm", str(clip), *extra]),
+                                            list(model.parameters()))
+        g = torch.Generator(device=DEV).manual_seed(4)
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=g, device=DEV) * 0.01 * 128).half()
+        opt._needs_sync = True
+        opt.multiply_grads(1.0 / 3)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                norm = opt.clip_grad_norm(clip)
+                finite = bool(torch.isfinite(norm).all())  # what fairseq's trainer asks, twice
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        if name == "fused":
+            assert norm.device.type == "cpu" and norm.dtype == torch.float32
+            assert finite and len(syncs) == 1, [str(w.message) for w in syncs]
+        else:
+            assert len(syncs) >= 2  # what the fused path saves (fairseq's checks each wait)
+        norms[name] = float(norm)
+        opt.step()
+    assert norms["fused"] == pytest.approx(norms["fairseq"], rel=1e-5)
