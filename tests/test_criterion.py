@@ -182,3 +182,24 @@ def test_cuda_graphs_replay_backward_bookkeeping(dictionary):
     assert torch.equal(params[0].grad, torch.ones_like(params[0]))
     assert params[1].grad is foreign and torch.equal(foreign, torch.full_like(foreign, 8))
     assert all(torch.equal(p.grad, torch.full_like(p, 3)) for p in params[2:])
+
+
+@pytest.mark.parametrize("report_accuracy", [False, True])
+def test_reduce_metrics_logs_what_fairseq_logs(dictionary, report_accuracy):
+    """reduce_metrics reads host copies of the logged scalars where they exist (CUDA; see
+    tests/gpu/test_host_scalars_cuda.py); on CPU scalars it logs exactly fairseq's values."""
+    from fairseq.logging import metrics
+
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1, report_accuracy=report_accuracy)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    g = torch.Generator().manual_seed(11)
+    outs = [run_criterion(crit, model, _sample(dictionary, g))[2] for _ in range(2)]
+    values = []
+    for cls in (LSLabelSmoothedCrossEntropyCriterion, LabelSmoothedCrossEntropyCriterion):
+        with metrics.aggregate(new_root=True) as agg:
+            cls.reduce_metrics(outs)
+            values.append(agg.get_smoothed_values())
+    assert values[0] == values[1]
+    assert ("accuracy" in values[0]) == report_accuracy

@@ -192,3 +192,32 @@ def test_learned_positions_overflow_names_the_flag(dictionary):
     src = torch.full((1, 9), dictionary.index("w3"))
     with pytest.raises(ValueError, match="--max-source-positions"):
         model.encoder(src)
+
+
+def test_set_num_updates_reaches_every_hook_once(dictionary):
+    """The model's set_num_updates walks the modules once (fairseq's default walks the encoder
+    twice) and still calls every submodule's own hook, as fairseq's does."""
+    from fairseq.models import BaseFairseqModel
+
+    class Hook(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def set_num_updates(self, n):
+            self.seen.append(n)
+
+    results = []
+    for walk in ("ls", "fairseq"):
+        _, model = _pair("pre_ln_t2t", dictionary)
+        hooks = [Hook(), Hook(), Hook()]
+        model.encoder.extra_hook = hooks[0]
+        model.decoder.layers[0].extra_hook = hooks[1]
+        model.extra_hook = hooks[2]
+        if walk == "ls":
+            model.set_num_updates(17)
+        else:
+            BaseFairseqModel.set_num_updates(model, 17)
+        results.append([h.seen for h in hooks])
+    assert results[0] == [[17], [17], [17]]
+    assert results[1] == [[17, 17], [17], [17]]  # fairseq: the encoder's subtree twice

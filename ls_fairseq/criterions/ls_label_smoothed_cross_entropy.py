@@ -18,7 +18,6 @@ without Python's per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; le
 from dataclasses import dataclass, field
 
 import torch
-from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -28,6 +27,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from .. import ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from .cuda_graphs import CudaGraphedLoss
+from .host_scalars import to_host, with_host_copy
 
 
 @dataclass
@@ -69,17 +69,26 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        # the logged scalars start their way to the host now (see reduce_metrics)
         logging_output = {
-            "loss": loss.data,
-            "nll_loss": nll_loss.data,
+            "loss": with_host_copy(loss.data),
+            "nll_loss": with_host_copy(nll_loss.data),
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
         }
-        if self.report_accuracy:
-            logging_output["n_correct"] = utils.item(n_correct.data)
-            logging_output["total"] = utils.item(total.data)
+        if self.report_accuracy:  # fairseq reads these back in forward; here in reduce_metrics
+            logging_output["n_correct"] = with_host_copy(n_correct.data)
+            logging_output["total"] = with_host_copy(total.data)
         return sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        """fairseq's, on the host copies of the logged scalars (``host_scalars``): the trainer
+        calls this after queuing the optimizer step, and reading the CUDA scalars here would
+        wait for that step. Same formulas and rounding; sums in double precision."""
+        super().reduce_metrics([{k: to_host(v) for k, v in log.items()}
+                                for log in logging_outputs])
 
     def forward(self, model, sample, reduce=True):
         if not reduce:  # per-token losses: fairseq's own path
