@@ -238,7 +238,7 @@ def profile_markdown(profiles):
             lines.append(f"| {p['variant']} | (no profile: {p.get('error', '?')[:60]!r}) |||||||")
             continue
         c = s["ms_per_step_by_category"]
-        lines.append(f"| {p['variant']} | {s['wall_ms_per_step']:.1f} | {s['gpu_busy_ms_per_step']:.1f} | "
+        lines.append(f"| {p['variant']} ({s.get('target_tokens_per_step', 0):,.0f} target tokens) | {s['wall_ms_per_step']:.1f} | {s['gpu_busy_ms_per_step']:.1f} | "
                      f"{c['gemm']:.1f} | {c['attention']:.1f} | {c['other']:.1f} | "
                      f"{c['memcpy/memset']:.1f} | {s['gpu_idle_ms_per_step']:.1f} | "
                      f"{s['kernel_launches_per_step']:.0f} |")

@@ -149,12 +149,23 @@ def install(at, steps, out_path=None):
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
+        if state["prof"] is not None:
+            state["tokens"] = state.get("tokens", 0) + sum(
+                int(x.get("ntokens", 0)) for x in samples if isinstance(x, dict))
         result = original(self, samples, raise_oom)
         if n == at + steps - 1 and state["prof"] is not None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - state["t0"]
             state["prof"].__exit__(None, None, None)
             state["summary"] = summarize(state["prof"], wall, steps)
+            # batches differ: GPU time per token compares windows and runs
+            tokens = state.get("tokens", 0) / steps
+            state["summary"]["target_tokens_per_step"] = tokens
+            if tokens:
+                state["summary"]["gpu_busy_ms_per_1k_tokens"] = (
+                    state["summary"]["gpu_busy_ms_per_step"] / tokens * 1e3)
+                state["summary"]["wall_ms_per_1k_tokens"] = (
+                    state["summary"]["wall_ms_per_step"] / tokens * 1e3)
             state["prof"] = None
         if n == py_at - 1:  # start after this update: the window is whole updates
             state["py"] = cProfile.Profile()
