@@ -79,7 +79,13 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
+    ap.add_argument("--workdir", default=None,
+                    help="corpus directory (default /tmp/ls_bench_e2e, or ..._<sentences> for "
+                         "another --sentences)")
+    ap.add_argument("--sentences", type=int, default=40000,
+                    help="training pairs of the synthetic corpus: more pairs, longer epochs (fewer "
+                         "epoch boundaries inside the measured updates)")
+    ap.add_argument("--workers", type=int, default=8, help="fairseq-preprocess workers")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--scaling-updates", type=int, default=120)
@@ -88,9 +94,11 @@ def main():
                     help="only the scaling runs (steps 1-3 were shown in an earlier call)")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
+    if args.workdir is None:
+        args.workdir = "/tmp/ls_bench_e2e" + ("" if args.sentences == 40000 else f"_{args.sentences}")
     if not os.path.exists(os.path.join(args.workdir, "train.en")):
-        e2e.make_corpus(args.workdir, 40000, 32000)
-    data = e2e.preprocess(args.workdir, 8)
+        e2e.make_corpus(args.workdir, args.sentences, 32000)
+    data = e2e.preprocess(args.workdir, args.workers)
     out = []
 
     if not args.skip_correctness:
@@ -142,22 +150,21 @@ def correctness(data, args):
 
 
 def steady_wps(log):
-    """Mean wps of the logged intervals in the second half of a run, leaving out each interval
-    that spans an epoch boundary: on the 40k-sentence benchmark corpus an epoch is ~100-190
-    updates, and the interval with the end-of-epoch work (iterator and data-loader restart, ~3 s)
-    logs ~30k wps. Where that interval falls differs between the 1- and N-GPU runs (N GPUs finish
-    an epoch in 1/N of the updates), so keeping it would bias the ratio; on WMT14 an epoch is
-    thousands of updates."""
-    wps, after_epoch = [], False
+    """Tokens/s over the logged intervals in the second half of a run (time-weighted:
+    sum(tokens) / sum(tokens / wps)), leaving out each interval that spans an epoch boundary:
+    that interval carries the end-of-epoch work (iterator and data-loader restart, ~3 s) and
+    falls at a different place in the 1- and N-GPU runs (N GPUs finish an epoch in 1/N of the
+    updates), so keeping it would bias the ratio; on WMT14 an epoch is thousands of updates."""
+    rows, after_epoch = [], False
     for kind, stats in e2e.log_records(log):
         if kind == "train":
             after_epoch = True
             continue
         if not after_epoch:
-            wps.append(float(stats["wps"]))
+            rows.append((float(stats["wpb"]), float(stats["wps"])))
         after_epoch = False
-    steady = wps[len(wps) // 2:]
-    return sum(steady) / len(steady) if steady else float("nan")
+    steady = rows[len(rows) // 2:]
+    return (sum(t for t, _ in steady) / sum(t / w for t, w in steady)) if steady else float("nan")
 
 
 def scaling(data, args):
