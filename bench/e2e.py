@@ -154,15 +154,22 @@ def parse_log(text):
     return inner, epochs, peak
 
 
+def time_weighted_wps(stats):
+    """Tokens/s over logged intervals, each weighted by its time: sum(tokens) / sum(tokens / wps)."""
+    return sum(float(s["wpb"]) for s in stats) / sum(float(s["wpb"]) / float(s["wps"]) for s in stats)
+
+
+def mfu(wps, peak_tflops):
+    return wps * FLOP_PER_TOKEN / (peak_tflops * 1e12)
+
+
 def interval_wps(inner, epoch):
     """Tokens/s over the logged intervals of one epoch, leaving out its first interval (it spans
     the end-of-epoch work: iterator and data-loader restart, a few seconds). On this small corpus
     an epoch at 32768 tokens is ~55 updates and that restart is ~20% of the epoch's time; on
-    WMT14 an epoch is thousands of updates. Weighted by time: sum(tokens) / sum(tokens / wps)."""
+    WMT14 an epoch is thousands of updates."""
     rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
-    tokens = [float(s["wpb"]) for s in rows]
-    seconds = [float(s["wpb"]) / float(s["wps"]) for s in rows]
-    return sum(tokens) / sum(seconds) if rows else None
+    return time_weighted_wps(rows) if rows else None
 
 
 def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
@@ -199,9 +206,8 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
             row[f"updates_{key}"] = int(epochs[e]["num_updates"]) - (int(epochs[e - 1]["num_updates"]) if e > 1 else 0)
     if epochs:
         row["wps_steady_intervals"] = interval_wps(inner, max(epochs))
-        row["mfu_steady_intervals"] = (row["wps_steady_intervals"] or 0) * FLOP_PER_TOKEN / (
-            args.peak_tflops * 1e12)
-    row["mfu_steady"] = row.get("wps_steady", 0) * FLOP_PER_TOKEN / (args.peak_tflops * 1e12)
+        row["mfu_steady_intervals"] = mfu(row["wps_steady_intervals"] or 0, args.peak_tflops)
+    row["mfu_steady"] = mfu(row.get("wps_steady", 0), args.peak_tflops)
     row["loss_first"] = float(inner[0]["loss"]) if inner else None
     row["loss_last"] = float(inner[-1]["loss"]) if inner else None
     return row
@@ -211,7 +217,7 @@ def fmt(x, spec):
     return "–" if x is None else format(x, spec)
 
 
-def markdown(rows, baseline_key):
+def markdown(rows):
     """Steady state is quoted two ways: fairseq's figure for the whole last epoch, and the
     logged intervals of that epoch without the one spanning the epoch boundary (interval_wps);
     the MFU and the steady ratio use the second."""
@@ -318,8 +324,9 @@ def main():
         for variant in args.profile_variants.split(","):
             trained = next((r for r in rows if r["variant"] == variant
                             and r["max_tokens"] == args.max_tokens[0] and "error" not in r), {})
-            before = ([0] + trained.get("updates_through_epoch", []))[args.profile_epoch - 1:]
-            at = (before[0] if before else 0) + 20
+            # updates done before each epoch: 0, then the count at the end of each epoch
+            starts = [0] + trained.get("updates_through_epoch", [])
+            at = (starts[args.profile_epoch - 1] if args.profile_epoch <= len(starts) else 0) + 20
             p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=at,
                             extra=["--max-update", str(at + 8 + profile_summary.PY_STEPS)])
             p["profile_at"] = at
@@ -332,7 +339,7 @@ def main():
     commit = os.environ.get("LS_BENCH_COMMIT") or subprocess.run(
         ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
         text=True).stdout.strip() or "unknown"
-    table = markdown(rows, "baseline")
+    table = markdown(rows)
     header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
               f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n")
     prof_md = profile_markdown(profiles)

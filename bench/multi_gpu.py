@@ -150,21 +150,21 @@ def correctness(data, args):
 
 
 def steady_wps(log):
-    """Tokens/s over the logged intervals in the second half of a run (time-weighted:
-    sum(tokens) / sum(tokens / wps)), leaving out each interval that spans an epoch boundary:
-    that interval carries the end-of-epoch work (iterator and data-loader restart, ~3 s) and
-    falls at a different place in the 1- and N-GPU runs (N GPUs finish an epoch in 1/N of the
-    updates), so keeping it would bias the ratio; on WMT14 an epoch is thousands of updates."""
+    """Tokens/s over the logged intervals in the second half of a run (e2e.time_weighted_wps),
+    leaving out each interval that spans an epoch boundary: that interval carries the
+    end-of-epoch work (iterator and data-loader restart, ~3 s) and falls at a different place in
+    the 1- and N-GPU runs (N GPUs finish an epoch in 1/N of the updates), so keeping it would
+    bias the ratio; on WMT14 an epoch is thousands of updates."""
     rows, after_epoch = [], False
     for kind, stats in e2e.log_records(log):
         if kind == "train":
             after_epoch = True
             continue
         if not after_epoch:
-            rows.append((float(stats["wpb"]), float(stats["wps"])))
+            rows.append(stats)
         after_epoch = False
     steady = rows[len(rows) // 2:]
-    return (sum(t for t, _ in steady) / sum(t / w for t, w in steady)) if steady else float("nan")
+    return e2e.time_weighted_wps(steady) if steady else float("nan")
 
 
 def scaling(data, args):

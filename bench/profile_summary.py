@@ -137,7 +137,8 @@ def install(at, steps, out_path=None):
     from fairseq import trainer as trainer_mod
 
     original = trainer_mod.Trainer.train_step
-    state = {"calls": 0, "prof": None, "t0": None, "py": None, "syncs": collections.Counter()}
+    state = {"calls": 0, "prof": None, "t0": None, "tokens": 0, "py": None,
+             "syncs": collections.Counter()}
     py_at = at + steps + 2  # a few updates after the torch.profiler window
 
     def train_step(self, samples, raise_oom=False):
@@ -150,7 +151,7 @@ def install(at, steps, out_path=None):
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
         if state["prof"] is not None:
-            state["tokens"] = state.get("tokens", 0) + sum(
+            state["tokens"] += sum(
                 int(x.get("ntokens", 0)) for x in samples if isinstance(x, dict))
         result = original(self, samples, raise_oom)
         if n == at + steps - 1 and state["prof"] is not None:
@@ -159,7 +160,7 @@ def install(at, steps, out_path=None):
             state["prof"].__exit__(None, None, None)
             state["summary"] = summarize(state["prof"], wall, steps)
             # batches differ: GPU time per token compares windows and runs
-            tokens = state.get("tokens", 0) / steps
+            tokens = state["tokens"] / steps
             state["summary"]["target_tokens_per_step"] = tokens
             if tokens:
                 state["summary"]["gpu_busy_ms_per_1k_tokens"] = (

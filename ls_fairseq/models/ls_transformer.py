@@ -36,6 +36,9 @@ from ..modules import (
     TransformerEncoderLayer,
 )
 
+#: fairseq's set_num_updates implementations that only pass the call on to submodules
+_FORWARDING_HOOKS = (BaseFairseqModel.set_num_updates, FairseqEncoder.set_num_updates)
+
 #: fairseq transformer options this model does not implement, with the value that disables them.
 _UNSUPPORTED = {
     "encoder.layerdrop": 0,
@@ -341,9 +344,6 @@ class LSTransformerModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return LSTransformerDecoder(_as_config(cfg), tgt_dict, embed_tokens)
 
-
-#: fairseq's set_num_updates implementations that only pass the call on to submodules
-_FORWARDING_HOOKS = (BaseFairseqModel.set_num_updates, FairseqEncoder.set_num_updates)
 
 #: ls_ architecture name -> fairseq's architecture function with the same defaults
 ARCHITECTURES = {

@@ -334,7 +334,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
             total = aggregate_norm_fn(total)
         if torch.is_tensor(self._multiply_factor):  # the kernel takes it on the grads' device
             self._multiply_factor = self._multiply_factor.to(total.device)
-        grad_norm = torch.as_tensor(self._multiply_factor * total, dtype=torch.float32).cpu()
+        grad_norm = (self._multiply_factor * total).float().cpu()
         value = float(grad_norm)
         if self.scaler is not None:
             if value > max_norm > 0.0:
