@@ -16,12 +16,14 @@ Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
 """
 import argparse
 import functools
+import json
 import os
 import re
 import subprocess
 import sys
 
 import e2e
+import profile_summary
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -42,27 +44,42 @@ def max_gap(a, b):
 @functools.lru_cache(maxsize=None)
 def _sitecustomize_dir():
     """fairseq starts one process per GPU (torch.multiprocessing.spawn): e2e's wrapper, which
-    switches cuDNN SDPA off, runs in the parent only. A sitecustomize on PYTHONPATH does it in
-    every process for the baseline_nocudnn variant."""
+    switches cuDNN SDPA off and installs the profiler, runs in the parent only. A sitecustomize
+    on PYTHONPATH does both in every process."""
     d = "/tmp/mg_site"
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "sitecustomize.py"), "w") as f:
-        f.write("import os\nif os.environ.get('BENCH_CUDNN_SDPA') == '0':\n"
-                "    import torch\n    torch.backends.cuda.enable_cudnn_sdp(False)\n")
+        f.write(_SITECUSTOMIZE)
     return d
 
 
+_SITECUSTOMIZE = """\
+import os, sys
+if os.environ.get('BENCH_CUDNN_SDPA') == '0':
+    import torch
+    torch.backends.cuda.enable_cudnn_sdp(False)
+if os.environ.get('BENCH_PROFILE_AT') and os.environ.get('BENCH_PROFILE_DIST'):
+    sys.path.insert(0, os.environ['BENCH_HERE'])
+    import profile_summary
+    profile_summary.install(int(os.environ['BENCH_PROFILE_AT']),
+                            int(os.environ.get('BENCH_PROFILE_STEPS', '5')),
+                            os.environ.get('BENCH_PROFILE_OUT'))
+"""
+
+
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
-          backend="pytorch_ddp"):
-    cmd = e2e.train_cmd(data, variant, max_tokens, 100, 1, list(extra))
-    cmd = [c for c in cmd if c != "--no-save"]
+          backend="pytorch_ddp", env_extra=None, epochs=100):
+    cmd = e2e.train_cmd(data, variant, max_tokens, epochs, 1, list(extra))
+    cmd.remove("--no-save")  # train_cmd's own; a caller that wants no checkpoints passes it
     cmd += ["--distributed-world-size", str(gpus), "--update-freq", str(update_freq),
-            "--max-update", str(updates), "--save-dir", save_dir, "--no-epoch-checkpoints",
-            "--ddp-backend", backend]
+            "--save-dir", save_dir, "--no-epoch-checkpoints", "--ddp-backend", backend]
+    if updates:
+        cmd += ["--max-update", str(updates)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
                BENCH_CUDNN_SDPA="1" if e2e.VARIANTS[variant]["cudnn_sdpa"] else "0",
                BENCH_HERE=e2e.HERE, PYTHONUNBUFFERED="1", LS_FAIRSEQ_KERNELS="require")
     env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = proc.stdout + proc.stderr
     with open(os.path.join(save_dir, "train.log"), "w") as f:
@@ -89,9 +106,25 @@ def main():
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--scaling-updates", type=int, default=120)
+    ap.add_argument("--scaling-epochs", type=int, default=None,
+                    help="run each scaling point this many epochs (log interval 5) instead of "
+                         "--scaling-updates updates: on a small corpus (--sentences 10000) every "
+                         "batch recurs often enough on each GPU for --ls-cuda-graphs to replay it, "
+                         "as batch shapes recur within an epoch of a WMT14-sized corpus; the "
+                         "second half of the run is measured")
+    ap.add_argument("--scaling-variants",
+                    default="baseline_nocudnn:pytorch_ddp,ls:pytorch_ddp,ls_graphs:legacy_ddp",
+                    help="variant:ddp-backend[:epochs] (bench/e2e.py's variants; epochs overrides "
+                         "--scaling-epochs, e.g. fewer for a variant without graphs)")
+    ap.add_argument("--graphs-check", action="store_true",
+                    help="ls_graphs under legacy_ddp: N GPUs x update-freq 1 vs 1 GPU x update-freq "
+                         "N, dropout 0, on a 4k-pair corpus (batches recur, so graphs replay)")
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true",
                     help="only the scaling runs (steps 1-3 were shown in an earlier call)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile updates 40-44 (GPU) and 47-66 (host) of the baseline and "
+                         "ls_ on 1 and N GPUs at the first --max-tokens (rank 0's view)")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
     if args.workdir is None:
@@ -104,9 +137,14 @@ def main():
     if not args.skip_correctness:
         out += correctness(data, args)
         print("\n".join(out), flush=True)
-    if args.skip_scaling:
-        return 0
-    out.append(scaling(data, args))
+    if args.graphs_check:
+        out.append(graphs_check(args))
+        print(out[-1], flush=True)
+    if args.profile:
+        out.append(profiles(data, args))
+        print(out[-1], flush=True)
+    if not args.skip_scaling:
+        out.append(scaling(data, args))
     text = "\n\n".join(out)
     print(text)
     if args.markdown:
@@ -149,6 +187,37 @@ def correctness(data, args):
     return ["\n".join(out)]
 
 
+def graphs_check(args, sentences=4000, updates=100):
+    """The CUDA-graphed step under legacy_ddp: the N-GPU run (flat all-reduce of the replayed
+    gradients, ls_adam) and the 1-GPU run with update-freq N see the same batches per update;
+    with dropout 0 their losses agree within fp16 noise. fairseq's trainer also checks every
+    update that the ranks' grad norms agree (it stops the run if not)."""
+    workdir = f"/tmp/ls_bench_e2e_{sentences}"
+    if not os.path.exists(os.path.join(workdir, "train.en")):
+        e2e.make_corpus(workdir, sentences, 32000)
+    data = e2e.preprocess(workdir, args.workers)
+    nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
+              "--no-save"]
+    mt = args.max_tokens[0]
+    logs = {}
+    for gpus, freq in ((args.gpus, 1), (1, args.gpus)):
+        d = f"/tmp/mg_graphs_{gpus}"
+        os.makedirs(d, exist_ok=True)
+        logs[gpus] = train(data, "ls_graphs", mt, gpus, freq, updates, d, nodrop, "legacy_ddp")
+    multi, single = losses(logs[args.gpus]), losses(logs[1])
+    flat = "all-reducing them in place" in logs[args.gpus]
+    captured = re.findall(r"captured (\d+) batch shape", logs[args.gpus])
+    out = [f"ls_graphs, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq 1 vs 1 GPU x "
+           f"update-freq {args.gpus}, max-tokens {mt}, dropout 0, {updates} updates, "
+           f"{sentences}-pair corpus): largest loss gap {max_gap(multi, single):.4f}; flat "
+           f"all-reduce used: {'yes' if flat else 'NO'}; shapes captured (rank log, last "
+           f"power of 2): {captured[-1] if captured else 'none'}",
+           "updates: " + " ".join(str(u) for u, _ in multi),
+           f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi),
+           "loss 1 GPU:   " + " ".join(f"{l:.3f}" for _, l in single)]
+    return "\n".join(out)
+
+
 def steady_wps(log):
     """Tokens/s over the logged intervals in the second half of a run (e2e.time_weighted_wps),
     leaving out each interval that spans an epoch boundary: that interval carries the
@@ -167,23 +236,62 @@ def steady_wps(log):
     return e2e.time_weighted_wps(steady) if steady else float("nan")
 
 
+def profiles(data, args, at=40):
+    """Where an update's time goes on 1 and N GPUs (bench/profile_summary.py in every worker;
+    the table shows rank 0), and where the host waits for the GPU."""
+    mt, found = args.max_tokens[0], []
+    for variant in ("baseline_nocudnn", "ls"):
+        for gpus in (1, args.gpus):
+            d = f"/tmp/mg_profile_{variant}_{gpus}"
+            os.makedirs(d, exist_ok=True)
+            env = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_DIST": "1",
+                   "BENCH_PROFILE_OUT": os.path.join(d, "profile_{rank}.json")}
+            name = f"{variant}, {gpus} GPU{'s' if gpus > 1 else ''}"
+            try:
+                train(data, variant, mt, gpus, 1, at + 5 + 2 + profile_summary.PY_STEPS + 1, d,
+                      ["--no-save"], env_extra=env)
+                with open(os.path.join(d, "profile_0.json")) as f:
+                    found.append({"variant": name, "profile": json.load(f)})
+            except (RuntimeError, OSError) as e:
+                found.append({"variant": name, "error": str(e)[-300:]})
+    lines = [f"Profiles at max-tokens {mt} (per GPU), rank 0, updates {at}-{at + 4}:",
+             e2e.profile_markdown(found)]
+    for p in found:
+        syncs = (p.get("profile") or {}).get("host_syncs_per_step_by_site")
+        if syncs:
+            lines.append(f"\nHost syncs per update, {p['variant']}: " + "; ".join(
+                f"{site} {n:.1f}" for site, n in syncs[:8]))
+    return "\n".join(lines)
+
+
 def scaling(data, args):
     """4: wps on N GPUs over wps on 1 GPU, each GPU with --max-tokens per batch (update-freq 1),
     the mean of the logged intervals of the second half of the run (the first half warms up)."""
-    rows = ["| max-tokens | variant | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus, "|---|---|---|---|---|"]
+    rows = ["| max-tokens | variant | ddp-backend | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus,
+            "|---|---|---|---|---|---|"]
+    extra, updates, epochs = ["--no-save"], args.scaling_updates, 100
+    if args.scaling_epochs:
+        # fairseq's --fix-batches-to-gpus does not apply to translation datasets (no prefetch):
+        # each GPU sees a random half of the batches every epoch, and a graph is captured at
+        # a batch's second sighting on that GPU, so N-GPU runs need more epochs to replay
+        extra, updates, epochs = extra + ["--log-interval", "5"], None, args.scaling_epochs
     for mt in args.max_tokens:
-        for variant in ("baseline_nocudnn", "ls"):
+        for spec in args.scaling_variants.split(","):
+            variant, backend, *own = spec.split(":")
+            run_epochs = int(own[0]) if own and args.scaling_epochs else epochs
             wps = []
             for gpus in (1, args.gpus):
-                d = f"/tmp/mg_{variant}_{mt}_{gpus}"
+                d = f"/tmp/mg_{variant}_{backend}_{mt}_{gpus}"
                 os.makedirs(d, exist_ok=True)
                 try:
-                    log = train(data, variant, mt, gpus, 1, args.scaling_updates, d, ["--no-save"])
+                    log = train(data, variant, mt, gpus, 1, updates, d, extra, backend,
+                                epochs=run_epochs)
                 except RuntimeError as e:  # keep the rest of the table; the log is in $OUT
                     print(f"{variant} {mt} tokens {gpus} GPU(s) FAILED: {str(e)[-500:]}", flush=True)
                     log = ""
                 wps.append(steady_wps(log))
-            rows.append(f"| {mt} | {variant} | {wps[0]:,.0f} | {wps[1]:,.0f} | {wps[1] / wps[0]:.2f}x |")
+            rows.append(f"| {mt} | {variant} | {backend} | {wps[0]:,.0f} | {wps[1]:,.0f} | "
+                        f"{wps[1] / wps[0]:.2f}x |")
             print(rows[-1], flush=True)
     return "\n".join(rows)
 

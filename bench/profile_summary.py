@@ -133,7 +133,14 @@ def _sync_site():
     return " <- ".join(f"{_short(f.filename)}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))
 
 
+def _rank():
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
 def install(at, steps, out_path=None):
+    """Wrap Trainer.train_step in this process. ``out_path`` may hold ``{rank}``: each process of
+    a distributed run then writes its own summary."""
     from fairseq import trainer as trainer_mod
 
     original = trainer_mod.Trainer.train_step
@@ -178,9 +185,12 @@ def install(at, steps, out_path=None):
             summary = dict(state.get("summary") or {})
             summary.update(python_summary(state["py"], PY_STEPS, state["syncs"]))
             state["py"] = None
+            rank = _rank()
+            if rank is not None:  # one process per GPU (fairseq's distributed training)
+                summary["rank"] = rank
             print("BENCH_PROFILE " + json.dumps(summary), flush=True)
             if out_path:
-                with open(out_path, "w") as f:
+                with open(out_path.format(rank=rank or 0), "w") as f:
                     json.dump(summary, f, indent=1)
         return result
 

@@ -7,6 +7,7 @@ updated by one call of :func:`ls_fairseq.ops.adam_step` (one kernel launch on th
 math whatever the storage dtype: fp32 master under ``--fp16``, fp16/bf16 weights and grads under
 ``--memory-efficient-fp16``.
 """
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List
@@ -17,6 +18,9 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from .. import ops
+from . import flat_all_reduce
+
+logger = logging.getLogger(__name__)
 
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -48,6 +52,7 @@ class FairseqLSAdam(FairseqOptimizer):
         if getattr(cfg, "amsgrad", False):
             raise ValueError("--optimizer ls_adam does not support --amsgrad; use --optimizer adam")
         self._optimizer = LSAdam(params, fp16_stats=cfg.fp16_adam_stats, **self.optimizer_config)
+        self._logged_flat_all_reduce = False
 
     @property
     def optimizer_config(self):
@@ -60,6 +65,19 @@ class FairseqLSAdam(FairseqOptimizer):
             "eps": self.cfg.adam_eps,
             "weight_decay": self.cfg.weight_decay,
         }
+
+    def all_reduce_grads(self, module):
+        """Under ``--ddp-backend legacy_ddp``/``no_c10d`` with flat gradients (``--ls-cuda-graphs``
+        replays): one in-place all-reduce per buffer instead of fairseq's copy loops
+        (:mod:`.flat_all_reduce`). fairseq's FP16 wrappers call this method of their inner
+        optimizer with the trainer's model."""
+        if flat_all_reduce.all_reduce_flat(module):
+            if not self._logged_flat_all_reduce:
+                self._logged_flat_all_reduce = True
+                logger.info("ls_adam: gradients are flat; all-reducing them in place "
+                            "(one call per buffer, no staging copy)")
+        else:
+            super().all_reduce_grads(module)
 
 
 class LSAdam(torch.optim.Optimizer):

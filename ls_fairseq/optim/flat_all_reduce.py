@@ -1,0 +1,78 @@
+"""One all-reduce per flat gradient buffer under fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``.
+
+fairseq's ``LegacyDistributedDataParallel.all_reduce_grads`` copies every gradient into a
+staging buffer (as large as the model: 420 MB of fp16 for transformer big), divides it by the
+world size, all-reduces it and copies every gradient back: two Python loops over ~260 tensors and
+~520 copy kernels per update. When the gradients already live in flat buffers (the CUDA-graph
+replay of ``--ls-cuda-graphs`` accumulates them there), dividing and all-reducing each buffer in
+place gives the same numbers with one launch per buffer and no staging memory.
+
+The flat path is taken only when it is provably the same operation: every parameter has a
+gradient, each gradient is a view of a 1-D contiguous buffer, the views of a buffer do not
+overlap, and what they leave uncovered is at most alignment padding (fewer than ``_MAX_PAD``
+elements per view; the graph runner keeps it zero). Otherwise fairseq's own method runs.
+"""
+import torch
+
+# the criterion's CUDA-graph accumulators align each view to 16 elements
+_MAX_PAD = 16
+
+
+def legacy_ddp_of(module):
+    """fairseq's LegacyDistributedDataParallel inside the trainer's model wrappers, or None."""
+    from fairseq.distributed import LegacyDistributedDataParallel
+
+    seen = module
+    for _ in range(8):  # ModuleProxyWrapper -> LegacyDistributedDataParallel -> model
+        if isinstance(seen, LegacyDistributedDataParallel):
+            return seen
+        if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
+            return None
+        seen = getattr(seen, "_modules", {}).get("module")
+        if seen is None:
+            return None
+    return None
+
+
+def flat_grad_buffers(params):
+    """The 1-D buffers that hold all of ``params``' gradients and nothing else, or None."""
+    by_base = {}
+    for p in params:
+        g = p.grad
+        if g is None or g._base is None or hasattr(p, "expert"):
+            return None
+        base = g._base
+        if base.dim() != 1 or not base.is_contiguous() or not g.is_contiguous():
+            return None
+        by_base.setdefault(id(base), (base, []))[1].append(
+            (g.storage_offset() - base.storage_offset(), g.numel()))
+    buffers = []
+    for base, spans in by_base.values():
+        spans.sort()
+        end = 0
+        for start, n in spans:
+            if start < end or start - end >= _MAX_PAD:
+                return None  # overlapping views, or a gap wider than padding
+            end = start + n
+        if end > base.numel() or base.numel() - end >= _MAX_PAD:
+            return None
+        buffers.append(base)
+    return buffers
+
+
+def all_reduce_flat(module):
+    """fairseq's legacy all-reduce of the model's gradients (sum / world size), done in place on
+    their flat buffers. True if done; False if the caller should use fairseq's own method (not
+    legacy DDP, or the gradients are not flat)."""
+    ddp = legacy_ddp_of(module)
+    if ddp is None:
+        return False
+    buffers = flat_grad_buffers([p for p in ddp.module.parameters() if p.requires_grad])
+    if buffers is None:
+        return False
+    if ddp.accumulate_grads:  # inside no_sync(): fairseq's method does nothing there either
+        return True
+    for buf in buffers:
+        buf.div_(ddp.world_size)
+        torch.distributed.all_reduce(buf, group=ddp.process_group)
+    return True
