@@ -29,7 +29,8 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 
 Limits: the gradients bypass autograd's per-parameter hooks, so torch DDP (``--ddp-backend
 c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error; fairseq's
-``legacy_ddp``/``no_c10d`` all-reduce ``.grad`` after the backward and work. Graphs hold their
+``legacy_ddp``/``no_c10d`` all-reduce ``.grad`` after the backward and work (with ``ls_adam``, in
+place on the flat accumulators: ``optim/flat_all_reduce.py``). Graphs hold their
 kernels' arguments and one pool of activation memory; ``max_graphs`` bounds their number (least
 recently used are dropped). Without CUDA the eager path runs (one warning).
 """
