@@ -41,7 +41,7 @@ def worker(rank, world, sizes_mb, iters, port):
         busbw = 2 * (world - 1) / world * x.numel() * 2 / (ms * 1e-3) / 1e9
         rows.append(f"| {mb:g} | {ms:.2f} | {busbw:.1f} | {ok} |")
     if rank == 0:
-        print(f"| MB (fp16) | ms per all_reduce | bus GB/s | finite |\n|---|---|---|---|")
+        print("| MB (fp16) | ms per all_reduce | bus GB/s | finite |\n|---|---|---|---|")
         print("\n".join(rows), flush=True)
     dist.destroy_process_group()
 

@@ -103,11 +103,10 @@ if os.environ.get("BENCH_CUDNN_SDPA") == "0":
 # fairseq resets the peak counter at every log interval and logs gb_free = total - peak since
 # the last reset; the peak of the run is total - min(gb_free)
 print("BENCH_TOTAL_BYTES", torch.cuda.get_device_properties(0).total_memory, flush=True)
-if os.environ.get("BENCH_PROFILE_AT") and not os.environ.get("BENCH_PROFILE_DIST"):  # else sitecustomize
+if os.environ.get("BENCH_PROFILE_AT"):
     sys.path.insert(0, os.environ["BENCH_HERE"])
     import profile_summary
-    profile_summary.install(int(os.environ["BENCH_PROFILE_AT"]), int(os.environ.get("BENCH_PROFILE_STEPS", "5")),
-                            os.environ.get("BENCH_PROFILE_OUT"))
+    profile_summary.install_from_env()
 from fairseq_cli.train import cli_main
 sys.argv[0] = "fairseq-train"
 cli_main()

@@ -58,13 +58,20 @@ import os, sys
 if os.environ.get('BENCH_CUDNN_SDPA') == '0':
     import torch
     torch.backends.cuda.enable_cudnn_sdp(False)
-if os.environ.get('BENCH_PROFILE_AT') and os.environ.get('BENCH_PROFILE_DIST'):
+if os.environ.get('BENCH_PROFILE_AT'):
     sys.path.insert(0, os.environ['BENCH_HERE'])
     import profile_summary
-    profile_summary.install(int(os.environ['BENCH_PROFILE_AT']),
-                            int(os.environ.get('BENCH_PROFILE_STEPS', '5')),
-                            os.environ.get('BENCH_PROFILE_OUT'))
+    profile_summary.install_from_env()
 """
+
+
+def corpus(sentences, workers, workdir=None):
+    """The binarised synthetic corpus of ``sentences`` pairs (made once per machine)."""
+    if workdir is None:
+        workdir = "/tmp/ls_bench_e2e" + ("" if sentences == 40000 else f"_{sentences}")
+    if not os.path.exists(os.path.join(workdir, "train.en")):
+        e2e.make_corpus(workdir, sentences, 32000)
+    return e2e.preprocess(workdir, workers)
 
 
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
@@ -127,11 +134,7 @@ def main():
                          "ls_ on 1 and N GPUs at the first --max-tokens (rank 0's view)")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
-    if args.workdir is None:
-        args.workdir = "/tmp/ls_bench_e2e" + ("" if args.sentences == 40000 else f"_{args.sentences}")
-    if not os.path.exists(os.path.join(args.workdir, "train.en")):
-        e2e.make_corpus(args.workdir, args.sentences, 32000)
-    data = e2e.preprocess(args.workdir, args.workers)
+    data = corpus(args.sentences, args.workers, args.workdir)
     out = []
 
     if not args.skip_correctness:
@@ -192,10 +195,7 @@ def graphs_check(args, sentences=4000, updates=100):
     gradients, ls_adam) and the 1-GPU run with update-freq N see the same batches per update;
     with dropout 0 their losses agree within fp16 noise. fairseq's trainer also checks every
     update that the ranks' grad norms agree (it stops the run if not)."""
-    workdir = f"/tmp/ls_bench_e2e_{sentences}"
-    if not os.path.exists(os.path.join(workdir, "train.en")):
-        e2e.make_corpus(workdir, sentences, 32000)
-    data = e2e.preprocess(workdir, args.workers)
+    data = corpus(sentences, args.workers)
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
               "--no-save"]
     mt = args.max_tokens[0]
@@ -244,7 +244,7 @@ def profiles(data, args, at=40):
         for gpus in (1, args.gpus):
             d = f"/tmp/mg_profile_{variant}_{gpus}"
             os.makedirs(d, exist_ok=True)
-            env = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_DIST": "1",
+            env = {"BENCH_PROFILE_AT": str(at),
                    "BENCH_PROFILE_OUT": os.path.join(d, "profile_{rank}.json")}
             name = f"{variant}, {gpus} GPU{'s' if gpus > 1 else ''}"
             try:

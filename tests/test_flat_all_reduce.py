@@ -3,8 +3,6 @@ against fairseq's own LegacyDistributedDataParallel.all_reduce_grads: two CPU pr
 different random gradients per rank, odd parameter sizes. The flat path must give bitwise the
 same gradients (same dtype, same division, a two-rank sum is order-free), and must hand over to
 fairseq's method whenever the gradients are not exactly a set of flat buffers."""
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -135,3 +133,23 @@ class _Holder(torch.nn.Module):  # a wrapper of the kind ModuleProxyWrapper take
     def __init__(self, module):
         super().__init__()
         self.module = module
+
+
+def test_torch_ddp_is_found_through_the_proxy_and_is_not_legacy(tmp_path):
+    """find_wrapper (ls_fairseq/wrappers.py) also tells --ls-cuda-graphs that torch DDP wraps the
+    model, which it must refuse; the flat all-reduce must leave torch DDP to itself."""
+    from ls_fairseq.wrappers import find_wrapper
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
+                            world_size=1)
+    try:
+        model = _model(torch.float32)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped = ModuleProxyWrapper(ddp)
+        assert find_wrapper(wrapped, torch.nn.parallel.DistributedDataParallel) is ddp
+        assert find_wrapper(model, torch.nn.parallel.DistributedDataParallel) is None
+        assert flat_all_reduce.legacy_ddp_of(wrapped) is None
+        legacy = ModuleProxyWrapper(LegacyDistributedDataParallel(model, dist.group.WORLD))
+        assert flat_all_reduce.legacy_ddp_of(legacy) is legacy.module
+    finally:
+        dist.destroy_process_group()

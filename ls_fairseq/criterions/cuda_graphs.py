@@ -41,22 +41,13 @@ import weakref
 
 import torch
 
+from ..wrappers import find_wrapper
+
 logger = logging.getLogger(__name__)
 
 # Flat accumulator views start at multiples of this many elements (16 bytes for fp16), so the
 # vectorised optimizer and norm kernels see aligned gradients.
 _ALIGN = 16
-
-
-def _find_ddp(model):
-    seen = model
-    for _ in range(8):
-        if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
-            return True
-        seen = getattr(seen, "module", None)
-        if seen is None:
-            return False
-    return False
 
 
 class _Graphs:
@@ -178,7 +169,7 @@ class CudaGraphedLoss:
                 logger.warning("--ls-cuda-graphs: the batch is not on a CUDA device; training "
                                "runs eagerly (no CUDA graphs)")
             return None
-        if _find_ddp(model):
+        if find_wrapper(model, torch.nn.parallel.DistributedDataParallel) is not None:
             raise ValueError(
                 "--ls-cuda-graphs cannot run under torch DistributedDataParallel (--ddp-backend "
                 "c10d / pytorch_ddp): it all-reduces gradients from per-parameter autograd "

@@ -13,6 +13,9 @@ overlap, and what they leave uncovered is at most alignment padding (fewer than 
 elements per view; the graph runner keeps it zero). Otherwise fairseq's own method runs.
 """
 import torch
+from fairseq.distributed import LegacyDistributedDataParallel
+
+from ..wrappers import find_wrapper
 
 # the criterion's CUDA-graph accumulators align each view to 16 elements
 _MAX_PAD = 16
@@ -20,18 +23,9 @@ _MAX_PAD = 16
 
 def legacy_ddp_of(module):
     """fairseq's LegacyDistributedDataParallel inside the trainer's model wrappers, or None."""
-    from fairseq.distributed import LegacyDistributedDataParallel
-
-    seen = module
-    for _ in range(8):  # ModuleProxyWrapper -> LegacyDistributedDataParallel -> model
-        if isinstance(seen, LegacyDistributedDataParallel):
-            return seen
-        if isinstance(seen, torch.nn.parallel.DistributedDataParallel):
-            return None
-        seen = getattr(seen, "_modules", {}).get("module")
-        if seen is None:
-            return None
-    return None
+    found = find_wrapper(module, (LegacyDistributedDataParallel,
+                                  torch.nn.parallel.DistributedDataParallel))
+    return found if isinstance(found, LegacyDistributedDataParallel) else None
 
 
 def flat_grad_buffers(params):

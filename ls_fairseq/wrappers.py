@@ -1,0 +1,16 @@
+"""Seeing through the trainer's model wrappers (fairseq's ModuleProxyWrapper, torch DDP, fairseq's
+LegacyDistributedDataParallel): each holds the wrapped model as its ``module`` child."""
+import torch
+
+
+def find_wrapper(model, types, depth=8):
+    """The first module that is an instance of ``types`` on the ``.module`` chain starting at
+    ``model`` (``model`` included), or None."""
+    seen = model
+    for _ in range(depth):
+        if isinstance(seen, types):
+            return seen
+        seen = seen._modules.get("module") if isinstance(seen, torch.nn.Module) else None
+        if seen is None:
+            return None
+    return None
