@@ -130,8 +130,15 @@ def main():
     ap.add_argument("--skip-correctness", action="store_true",
                     help="only the scaling runs (steps 1-3 were shown in an earlier call)")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile updates 40-44 (GPU) and 47-66 (host) of the baseline and "
-                         "ls_ on 1 and N GPUs at the first --max-tokens (rank 0's view)")
+                    help="also profile --profile-steps updates from --profile-at (GPU, every "
+                         "rank) and 20 more (host) of --profile-variants on 1 and N GPUs at the "
+                         "first --max-tokens")
+    ap.add_argument("--profile-variants", default="baseline_nocudnn:pytorch_ddp,ls:pytorch_ddp",
+                    help="variant:ddp-backend pairs to profile")
+    ap.add_argument("--profile-at", type=int, default=40,
+                    help="first profiled update; with ls_graphs, late enough that the batches "
+                         "replay, and inside an epoch (an epoch boundary adds ~3 s)")
+    ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
     data = corpus(args.sentences, args.workers, args.workdir)
@@ -236,32 +243,68 @@ def steady_wps(log):
     return e2e.time_weighted_wps(steady) if steady else float("nan")
 
 
-def profiles(data, args, at=40):
-    """Where an update's time goes on 1 and N GPUs (bench/profile_summary.py in every worker;
-    the table shows rank 0), and where the host waits for the GPU."""
-    mt, found = args.max_tokens[0], []
-    for variant in ("baseline_nocudnn", "ls"):
+def profiles(data, args):
+    """Where an update's time goes on 1 and N GPUs (bench/profile_summary.py in every worker), and
+    where the host waits for the GPU. On N GPUs each update is split per rank into NCCL kernels
+    (transfer, plus waiting for the slower rank), other kernels and idle GPU time: a rank's
+    compute next to the other's shows how unequal the ranks' batches are."""
+    mt, found, lines = args.max_tokens[0], [], []
+    at, steps = args.profile_at, args.profile_steps
+    for spec in args.profile_variants.split(","):
+        variant, backend = spec.split(":")
         for gpus in (1, args.gpus):
-            d = f"/tmp/mg_profile_{variant}_{gpus}"
+            d = f"/tmp/mg_profile_{variant}_{backend}_{gpus}"
             os.makedirs(d, exist_ok=True)
-            env = {"BENCH_PROFILE_AT": str(at),
+            env = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_STEPS": str(steps),
                    "BENCH_PROFILE_OUT": os.path.join(d, "profile_{rank}.json")}
-            name = f"{variant}, {gpus} GPU{'s' if gpus > 1 else ''}"
+            name = f"{variant} ({backend}), {gpus} GPU{'s' if gpus > 1 else ''}"
             try:
-                train(data, variant, mt, gpus, 1, at + 5 + 2 + profile_summary.PY_STEPS + 1, d,
-                      ["--no-save"], env_extra=env)
-                with open(os.path.join(d, "profile_0.json")) as f:
-                    found.append({"variant": name, "profile": json.load(f)})
+                train(data, variant, mt, gpus, 1, at + steps + 2 + profile_summary.PY_STEPS + 1, d,
+                      ["--no-save"], backend, env_extra=env)
+                ranks = []
+                for r in range(gpus):
+                    with open(os.path.join(d, f"profile_{r}.json")) as f:
+                        ranks.append(json.load(f))
+                found.append({"variant": name + (", rank 0" if gpus > 1 else ""),
+                              "profile": ranks[0]})
+                if gpus > 1:
+                    found.append({"variant": name + ", rank 1", "profile": ranks[1]})
+                    lines.append(ranks_table(name, ranks))
             except (RuntimeError, OSError) as e:
                 found.append({"variant": name, "error": str(e)[-300:]})
-    lines = [f"Profiles at max-tokens {mt} (per GPU), rank 0, updates {at}-{at + 4}:",
-             e2e.profile_markdown(found)]
+    head = [f"Profiles at max-tokens {mt} (per GPU), updates {at}-{at + steps - 1}:",
+            e2e.profile_markdown(found)]
     for p in found:
-        syncs = (p.get("profile") or {}).get("host_syncs_per_step_by_site")
-        if syncs:
-            lines.append(f"\nHost syncs per update, {p['variant']}: " + "; ".join(
-                f"{site} {n:.1f}" for site, n in syncs[:8]))
-    return "\n".join(lines)
+        s = p.get("profile") or {}
+        if s.get("median_ms_per_update"):
+            m = s["median_ms_per_update"]
+            head.append(f"\nMedian per update, {p['variant']}: period {m['ms']:.1f} ms = compute "
+                        f"{m['compute_ms']:.1f} + NCCL {m['nccl_ms']:.1f} + idle {m['idle_ms']:.1f}")
+        if s.get("host_syncs_per_step_by_site"):
+            head.append(f"\nHost syncs per update, {p['variant']}: " + "; ".join(
+                f"{site} {n:.1f}" for site, n in s["host_syncs_per_step_by_site"][:8]))
+    return "\n".join(head + lines)
+
+
+def ranks_table(name, ranks):
+    """Update by update, each rank's compute / NCCL / idle ms, and what unequal batches cost: the
+    mean over updates of max(compute) - mean(compute) (the faster rank waits that long)."""
+    rows = [f"\nPer update, {name} (ms; compute / NCCL / idle per rank):",
+            "| update | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " | period |",
+            "|---|" + "---|" * (len(ranks) + 1)]
+    per = [r.get("per_update") or [] for r in ranks]
+    n = min(len(p) for p in per)
+    waits = []
+    for i in range(n):
+        cells = [f"{p[i]['compute_ms']:.1f} / {p[i]['nccl_ms']:.1f} / {p[i]['idle_ms']:.1f}"
+                 for p in per]
+        compute = [p[i]["compute_ms"] for p in per]
+        waits.append(max(compute) - sum(compute) / len(compute))
+        rows.append(f"| {i} | " + " | ".join(cells) + f" | {per[0][i]['ms']:.1f} |")
+    if waits:
+        rows.append(f"\nUnequal batches, {name}: max - mean compute per update {sum(waits) / n:.2f} "
+                    f"ms on average over {n} updates")
+    return "\n".join(rows)
 
 
 def scaling(data, args):

@@ -38,9 +38,19 @@ def _union_length(intervals):
     return total
 
 
+NCCL = re.compile(r"nccl", re.I)
+UPDATE = "bench_update_"  # record_function range around each profiled update
+
+
 def summarize(prof, wall_s, steps):
-    kernels = []
+    kernels, marks = [], {}
     for evt in prof.events():
+        # the GPU-side span of an update's range (its kernels, first start to last end)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.name.startswith(UPDATE):
+            k = int(evt.name[len(UPDATE):])
+            start = evt.time_range.start
+            marks[k] = min(start, marks.get(k, start))
+            continue
         # GPU-side copies of record_function ranges ("forward", "optimizer", ...) are not kernels
         if evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(
                 evt, "is_user_annotation", False) and not _ANNOTATION.match(evt.name):
@@ -71,8 +81,32 @@ def summarize(prof, wall_s, steps):
         "top_kernels_ms_per_step": sorted(((n[:90], v / steps / 1e3) for n, v in per_name.items()),
                                           key=lambda x: -x[1])[:15],
     }
+    out.update(per_update(kernels, marks, wall_us))
     out.update(host_summary(prof, steps))
     return out
+
+
+def per_update(kernels, marks, wall_us):
+    """Each update's GPU period (from its first kernel to the next update's first kernel) split
+    into NCCL kernels (on N GPUs: the transfer, plus waiting for the slower rank), other kernels
+    and idle time. Needs the GPU-side spans of the ``bench_update_<k>`` ranges."""
+    if len(marks) < 2:
+        return {}
+    ks = sorted(marks)
+    starts = [marks[k] for k in ks]
+    first = min(s for s, _, _ in kernels)
+    ends = starts[1:] + [first + wall_us]  # the window ends at its closing synchronize
+    rows = []
+    for s0, s1 in zip(starts, ends):
+        inside = [(s, e, n) for s, e, n in kernels if s0 <= s < s1]
+        nccl = _union_length([(s, e) for s, e, n in inside if NCCL.search(n)])
+        compute = _union_length([(s, e) for s, e, n in inside if not NCCL.search(n)])
+        busy = _union_length([(s, e) for s, e, _ in inside])
+        rows.append({"ms": (s1 - s0) / 1e3, "compute_ms": compute / 1e3, "nccl_ms": nccl / 1e3,
+                     "idle_ms": max(s1 - s0 - busy, 0) / 1e3})
+    med = lambda key: sorted(r[key] for r in rows)[len(rows) // 2]
+    return {"per_update": rows,
+            "median_ms_per_update": {k: med(k) for k in ("ms", "compute_ms", "nccl_ms", "idle_ms")}}
 
 
 # fairseq's own record_function ranges in Trainer.train_step / task.train_step
@@ -162,7 +196,11 @@ def install(at, steps, out_path=None):
         if state["prof"] is not None:
             state["tokens"] += sum(
                 int(x.get("ntokens", 0)) for x in samples if isinstance(x, dict))
-        result = original(self, samples, raise_oom)
+        if state["prof"] is not None:  # its GPU-side span marks the update's kernels
+            with torch.profiler.record_function(f"{UPDATE}{n - at}"):
+                result = original(self, samples, raise_oom)
+        else:
+            result = original(self, samples, raise_oom)
         if n == at + steps - 1 and state["prof"] is not None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - state["t0"]

@@ -7,6 +7,14 @@ trainer's bookkeeping (about 2 ms per update at 8192 tokens on the H100). Here t
 starts a copy of each logged scalar into pinned host memory as soon as the scalar is computed
 and records an event behind it; ``reduce_metrics`` waits for that event only, which the GPU has
 long passed, and sees the same value as a Python number.
+
+With several GPUs fairseq's trainer exchanges the logged values between ranks before it queues
+anything else. Its fast path (``all_reduce_dict``) turns them into fresh CUDA tensors, which
+lose their host copies: ``sample_size or 1.0`` and ``reduce_metrics`` then wait for the GPU, the
+latter for the whole optimizer step. So under data parallelism the criterion logs
+:class:`HostCopy` objects themselves, and says its logging outputs cannot be summed on the GPU:
+fairseq then gathers them with ``all_gather_list`` (pickled), and each rank receives plain Python
+numbers (a :class:`HostCopy` pickles as its value).
 """
 import torch
 
@@ -26,18 +34,24 @@ class HostCopy:
         self._event.synchronize()
         return self._host.item()
 
-    def __reduce__(self):  # pickled (e.g. gathered across workers): as the settled number
-        return (_Settled, (self.value(),))
+    def __reduce__(self):  # pickled (gathered across workers): as the plain number
+        value = self.value()
+        return (type(value), (value,))
 
 
-class _Settled:
-    __slots__ = ("_value",)
+def data_parallel():
+    """True inside a distributed run of more than one process (fairseq's trainer then exchanges
+    logging outputs between them)."""
+    import torch.distributed as dist
 
-    def __init__(self, value):
-        self._value = value
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    def value(self):
-        return self._value
+
+def host_value(t):
+    """A :class:`HostCopy` of ``t`` when it is a one-element CUDA tensor, else ``t``."""
+    if torch.is_tensor(t) and t.is_cuda and t.numel() == 1:
+        return HostCopy(t)
+    return t
 
 
 def with_host_copy(t):
@@ -48,7 +62,10 @@ def with_host_copy(t):
 
 
 def to_host(value):
-    """The host number of a logged value that carries a host copy; any other value unchanged
-    (a tensor summed across workers, or modified since, has none and is left to fairseq)."""
+    """The host number of a :class:`HostCopy` or of a logged tensor that carries one; any other
+    value unchanged (a tensor summed across workers, or modified since, has none and is left to
+    fairseq)."""
+    if isinstance(value, HostCopy):
+        return value.value()
     copy = getattr(value, "ls_host_copy", None) if torch.is_tensor(value) else None
     return value if copy is None else copy.value()

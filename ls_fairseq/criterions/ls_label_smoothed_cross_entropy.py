@@ -27,7 +27,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from .. import ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from .cuda_graphs import CudaGraphedLoss
-from .host_scalars import to_host, with_host_copy
+from .host_scalars import data_parallel, host_value, to_host, with_host_copy
 
 
 @dataclass
@@ -69,18 +69,27 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
-        # the logged scalars start their way to the host now (see reduce_metrics)
+        # the logged scalars start their way to the host now (see reduce_metrics); with several
+        # processes they are logged as host copies, which fairseq gathers as numbers
+        host = host_value if data_parallel() else with_host_copy
         logging_output = {
-            "loss": with_host_copy(loss.data),
-            "nll_loss": with_host_copy(nll_loss.data),
+            "loss": host(loss.data),
+            "nll_loss": host(nll_loss.data),
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
         }
         if self.report_accuracy:  # fairseq reads these back in forward; here in reduce_metrics
-            logging_output["n_correct"] = with_host_copy(n_correct.data)
-            logging_output["total"] = with_host_copy(total.data)
+            logging_output["n_correct"] = host(n_correct.data)
+            logging_output["total"] = host(total.data)
         return sample_size, logging_output
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        """False: with several GPUs fairseq then gathers the logged values as Python numbers
+        (``all_gather_list``) instead of summing them into CUDA tensors, whose reads in
+        ``reduce_metrics`` would wait for the optimizer step (``host_scalars``)."""
+        return False
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -1,7 +1,8 @@
 """The criterion's logged scalars reach ``reduce_metrics`` as host numbers without waiting for GPU
 work queued after them (the optimizer step, in fairseq's trainer), and log exactly what fairseq's
 ``label_smoothed_cross_entropy.reduce_metrics`` logs from the same CUDA scalars (tolerance:
-relative 1e-6 before fairseq's rounding: fp32 vs double sums of the same few numbers)."""
+relative 1e-6 before fairseq's rounding: fp32 vs double sums of the same few numbers). With
+several processes the logs go through fairseq's own gather (two gloo processes on one GPU)."""
 import os
 import sys
 import time
@@ -74,3 +75,57 @@ def test_host_copy_values_and_pickling():
     assert pickle.loads(pickle.dumps(copy)).value() == 3.25
     assert to_host(torch.tensor(2.0, device="cuda")).item() == 2.0  # no copy: left as it is
     assert to_host(7) == 7
+
+
+def _gather_worker(rank, init_file, update_freq, report_accuracy, world):
+    """One of ``world`` processes (gloo, all on this GPU): logs as in a data-parallel run and
+    exchanges the logs through fairseq's trainer (``_all_gather_list_sync``, the path fairseq
+    takes when the criterion's logging outputs cannot be summed)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from fairseq.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    d = make_dictionary(41)
+    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(d), False, 0.1,
+                                               report_accuracy=report_accuracy)
+    outs = _logging_outputs(crit, update_freq, report_accuracy,
+                            torch.Generator().manual_seed(5 + rank))
+    assert all(isinstance(o["loss"], HostCopy) for o in outs)  # not tensors: gathered as numbers
+    assert not LSLabelSmoothedCrossEntropyCriterion.logging_outputs_can_be_summed()
+    sample_size = float(sum(o["sample_size"] for o in outs))
+    trainer = SimpleNamespace(tpu=False, data_parallel_process_group=None,
+                              cfg=SimpleNamespace(common=SimpleNamespace(all_gather_list_size=16384)))
+    gathered, (total_size,) = Trainer._all_gather_list_sync(trainer, outs, sample_size)
+    assert len(gathered) == world * update_freq
+    for log in gathered:
+        for key, value in log.items():
+            assert isinstance(value, (int, float)) and not torch.is_tensor(value), (key, value)
+    # the optimizer step comes next in fairseq's train_step; reduce_metrics must not wait for it
+    torch.cuda._sleep(int(0.5 * torch.cuda.get_device_properties(0).clock_rate * 1e3))
+    t0 = time.perf_counter()
+    ours = _reduced(LSLabelSmoothedCrossEntropyCriterion, gathered)
+    assert time.perf_counter() - t0 < 0.05, "reduce_metrics waited for later GPU work"
+    # reference: fairseq's reduce_metrics on every rank's CUDA scalars in one process
+    everyone = []
+    for r in range(world):
+        logs = _logging_outputs(crit, update_freq, report_accuracy,
+                                torch.Generator().manual_seed(5 + r))
+        everyone += [{k: v._host.cuda() if isinstance(v, HostCopy) else v
+                      for k, v in log.items()} for log in logs]
+    ref = _reduced(LabelSmoothedCrossEntropyCriterion, everyone)
+    assert total_size == sum(float(log["sample_size"]) for log in everyone)
+    assert set(ours) == set(ref)
+    for key, value in ref.items():
+        assert float(ours[key]) == pytest.approx(float(value), rel=1e-6, abs=1e-3), key
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("update_freq,report_accuracy", [(1, False), (3, True)])
+def test_data_parallel_logs_are_gathered_as_numbers(tmp_path, update_freq, report_accuracy):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gather_worker, args=(str(tmp_path / "init"), update_freq, report_accuracy, 2),
+             nprocs=2, join=True)
