@@ -255,15 +255,17 @@ def profiles(data, args):
         for gpus in (1, args.gpus):
             d = f"/tmp/mg_profile_{variant}_{backend}_{gpus}"
             os.makedirs(d, exist_ok=True)
+            # beside the results ($OUT): the JSON has the per-update rows and host profile
+            out = os.path.join(LOG_DIR, f"profile_{variant}_{backend}_{gpus}gpu_{{rank}}.json")
             env = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_STEPS": str(steps),
-                   "BENCH_PROFILE_OUT": os.path.join(d, "profile_{rank}.json")}
+                   "BENCH_PROFILE_OUT": out}
             name = f"{variant} ({backend}), {gpus} GPU{'s' if gpus > 1 else ''}"
             try:
                 train(data, variant, mt, gpus, 1, at + steps + 2 + profile_summary.PY_STEPS + 1, d,
                       ["--no-save"], backend, env_extra=env)
                 ranks = []
                 for r in range(gpus):
-                    with open(os.path.join(d, f"profile_{r}.json")) as f:
+                    with open(out.format(rank=r)) as f:
                         ranks.append(json.load(f))
                 found.append({"variant": name + (", rank 0" if gpus > 1 else ""),
                               "profile": ranks[0]})

@@ -17,7 +17,10 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
   accumulators become the parameters' ``.grad`` (zeroed when fairseq has set ``.grad`` to None),
   so ``--update-freq`` accumulation, gradient clipping and every fairseq optimizer wrapper work
-  unchanged.
+  unchanged. Eager steps (a shape's first sighting) accumulate into the same buffers: with
+  several GPUs every rank then all-reduces the same flat buffers in the same NCCL calls, whether
+  its step was replayed or not (otherwise a rank running fairseq's packed all-reduce next to one
+  all-reducing padded flat buffers would pair collectives of different sizes).
 * All graphs share one memory pool: their temporaries (activations) reuse the same memory, which
   is safe because a shape's forward and backward replay back to back. If a second forward comes
   before the first one's backward, the second runs eagerly (it must not overwrite activations
@@ -125,19 +128,17 @@ class CudaGraphedLoss:
         if key is None:
             self.stats["eager"] += 1
             return compute(model, sample)
+        self._setup(model)
         if self._pending is not None:
             if self._pending() is not None:  # a replayed loss still waits for its backward
-                self.stats["eager"] += 1
-                return compute(model, sample)
+                return self._eager(model, sample, compute)
             self._pending = None
-        if self._params is not None:
-            self._check_aliases()  # drops the graphs if a parameter's storage was replaced
+        self._check_aliases()  # drops the graphs if a parameter's storage was replaced
         graphs = self._graphs.get(key)
         if graphs is None:
             self._sightings[key] += 1
             if self._sightings[key] == 1:  # first sighting: eager (it also grows lazy tables)
-                self.stats["eager"] += 1
-                return compute(model, sample)
+                return self._eager(model, sample, compute)
             graphs = self._capture(model, sample, compute)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
@@ -177,6 +178,34 @@ class CudaGraphedLoss:
                 "or drop --ls-cuda-graphs.")
         return (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
                 tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+
+    def _eager(self, model, sample, compute):
+        """An eager training step whose backward accumulates into the flat buffers, as a
+        replay's does: with several GPUs every rank then all-reduces the same buffers in the
+        same calls whether its step replayed or not (``optim/flat_all_reduce.py``)."""
+        self.stats["eager"] += 1
+        self._bind_accumulators()
+        return compute(model, sample)
+
+    def _bind_accumulators(self):
+        """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
+        then adds into it in place). Returns the (parameter, accumulator) pairs whose ``.grad``
+        someone else allocated; those accumulators are zeroed too."""
+        foreign = []
+        if all(p.grad is None for p in self._params):  # fairseq's zero_grad: set to None
+            for flat in self._flats:
+                flat.zero_()
+            for p, acc in zip(self._params, self._accumulators):
+                p.grad = acc
+            return foreign
+        for p, acc in zip(self._params, self._accumulators):
+            if p.grad is None:
+                acc.zero_()
+                p.grad = acc
+            elif p.grad.data_ptr() != acc.data_ptr():  # a .grad someone else allocated
+                acc.zero_()
+                foreign.append((p, acc))
+        return foreign
 
     def _setup(self, model):
         if self._model_ref is not None and self._model_ref() is model:
@@ -314,20 +343,7 @@ class CudaGraphedLoss:
     def _replay_backward(self, graphs, grad):
         self._pending = None
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
-        foreign = []
-        if all(p.grad is None for p in self._params):  # fairseq's zero_grad: set to None
-            for flat in self._flats:
-                flat.zero_()
-            for p, acc in zip(self._params, self._accumulators):
-                p.grad = acc
-        else:
-            for p, acc in zip(self._params, self._accumulators):
-                if p.grad is None:
-                    acc.zero_()
-                    p.grad = acc
-                elif p.grad.data_ptr() != acc.data_ptr():  # a .grad someone else allocated
-                    acc.zero_()
-                    foreign.append((p, acc))
+        foreign = self._bind_accumulators()
         graphs.bwd.replay()
         for p, acc in foreign:
             p.grad.add_(acc)

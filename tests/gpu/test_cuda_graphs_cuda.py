@@ -235,3 +235,35 @@ def test_fairseq_train_same_losses(tmp_path, more):
     assert len(le) == len(lg) >= 10
     assert max(abs(a - b) for a, b in zip(le, lg)) <= 0.01, (le, lg)
 
+
+
+def test_every_training_step_accumulates_into_the_flat_buffers(dictionary):
+    """Eager steps (first sightings, a second forward before the first's backward) leave their
+    gradients in the same flat buffers as replays, so with several GPUs each rank all-reduces the
+    same buffers whatever path its step took (optim/flat_all_reduce.py)."""
+    from ls_fairseq.optim.flat_all_reduce import flat_grad_buffers
+
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
+    params = [p for p in m2.parameters() if p.requires_grad]
+    seen = None
+    for i, shape in enumerate([(4, 9, 7), (4, 9, 7), (6, 5, 12), (4, 9, 7)]):
+        sample = _sample(dictionary, shape, 300 + i)
+        _, grads_e = _step(eager, m1, [sample], 1.0, seed=i)
+        _, grads_g = _step(graphed, m2, [sample], 1.0, seed=i)
+        buffers = flat_grad_buffers(params)
+        assert buffers is not None, f"step {i} left gradients outside the flat buffers"
+        ptrs = sorted(b.data_ptr() for b in buffers)
+        assert seen is None or ptrs == seen
+        seen = ptrs
+        for k in grads_e:
+            assert _rel(grads_g[k], grads_e[k]) <= 1e-5, (i, k)
+    assert graphed.graphs.stats["eager"] == 2 and graphed.graphs.stats["replayed"] == 2
+    # a second forward while the first replayed loss awaits its backward runs eagerly
+    for p in m2.parameters():
+        p.grad = None
+    sample = _sample(dictionary, (4, 9, 7), 400)
+    first, _, _ = graphed(m2, sample)
+    second, _, _ = graphed(m2, _sample(dictionary, (3, 8, 6), 401))
+    (first + second).backward()
+    assert graphed.graphs.stats["eager"] == 3
+    assert flat_grad_buffers(params) is not None
