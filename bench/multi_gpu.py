@@ -91,10 +91,13 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
     log = proc.stdout + proc.stderr
     with open(os.path.join(save_dir, "train.log"), "w") as f:
         f.write(log)
-    # keep the end of every run's log with the results (the device returns $OUT only)
+    # keep every run's stats lines and the end of its log with the results (the device returns
+    # $OUT only): the figures can be recomputed from them if the call is cut short
     with open(os.path.join(LOG_DIR, "multi_gpu_runs.log"), "a") as f:
         f.write(f"\n===== {' '.join(cmd[3:])} gpus={gpus} rc={proc.returncode}\n")
-        f.write("\n".join(l for l in log.splitlines() if "Warning" not in l)[-6000:])
+        lines = [l for l in log.splitlines() if "Warning" not in l]
+        stats = [l for l in lines[:-40] if re.search(r"(train_inner|train)(?: \| |:)\{", l)]
+        f.write("\n".join(stats + lines[-40:])[-200000:])
     if proc.returncode != 0:
         raise RuntimeError(log[-3000:])
     return log
