@@ -11,6 +11,11 @@ The flat path is taken only when it is provably the same operation: every parame
 gradient, each gradient is a view of a 1-D contiguous buffer, the views of a buffer do not
 overlap, and what they leave uncovered is at most alignment padding (fewer than ``_MAX_PAD``
 elements per view; the graph runner keeps it zero). Otherwise fairseq's own method runs.
+
+All ranks must take the same path: fairseq's method all-reduces packed gradients (no padding, in
+chunks of its buffer size), so a rank on it and a rank on the flat path could pair NCCL calls of
+different sizes. With ``--ls-cuda-graphs`` every training step, replayed or eager, accumulates
+into the flat buffers (``criterions/cuda_graphs.py``), so every rank takes the flat path.
 """
 import torch
 from fairseq.distributed import LegacyDistributedDataParallel
