@@ -131,11 +131,14 @@ def train_cmd(data, variant, max_tokens, epochs, seed, extra):
     return cmd + list(extra)
 
 
+STATS_LINE = re.compile(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", re.M)
+
+
 def log_records(text):
     """("train_inner" | "train", stats) for each json stats line of a fairseq-train log, in order:
     "... | INFO | train_inner | {...}" from fairseq-train, "INFO:train_inner:{...}" from the worker
     processes fairseq spawns for --distributed-world-size > 1 (default logging format)."""
-    for m in re.finditer(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", text, re.M):
+    for m in STATS_LINE.finditer(text):
         yield m.group(1), json.loads(m.group(2))
 
 

@@ -96,7 +96,7 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
     with open(os.path.join(LOG_DIR, "multi_gpu_runs.log"), "a") as f:
         f.write(f"\n===== {' '.join(cmd[3:])} gpus={gpus} rc={proc.returncode}\n")
         lines = [l for l in log.splitlines() if "Warning" not in l]
-        stats = [l for l in lines[:-40] if re.search(r"(train_inner|train)(?: \| |:)\{", l)]
+        stats = [l for l in lines[:-40] if e2e.STATS_LINE.search(l)]
         f.write("\n".join(stats + lines[-40:])[-200000:])
     if proc.returncode != 0:
         raise RuntimeError(log[-3000:])
@@ -270,10 +270,10 @@ def profiles(data, args):
                 for r in range(gpus):
                     with open(out.format(rank=r)) as f:
                         ranks.append(json.load(f))
-                found.append({"variant": name + (", rank 0" if gpus > 1 else ""),
-                              "profile": ranks[0]})
+                for r, prof in enumerate(ranks):
+                    found.append({"variant": name + (f", rank {r}" if gpus > 1 else ""),
+                                  "profile": prof})
                 if gpus > 1:
-                    found.append({"variant": name + ", rank 1", "profile": ranks[1]})
                     lines.append(ranks_table(name, ranks))
             except (RuntimeError, OSError) as e:
                 found.append({"variant": name, "error": str(e)[-300:]})

@@ -10,6 +10,7 @@ GPU's work) and the call sites of every host synchronisation (torch's sync debug
 """
 import cProfile
 import collections
+import contextlib
 import json
 import pstats
 import re
@@ -196,10 +197,10 @@ def install(at, steps, out_path=None):
         if state["prof"] is not None:
             state["tokens"] += sum(
                 int(x.get("ntokens", 0)) for x in samples if isinstance(x, dict))
-        if state["prof"] is not None:  # its GPU-side span marks the update's kernels
-            with torch.profiler.record_function(f"{UPDATE}{n - at}"):
-                result = original(self, samples, raise_oom)
-        else:
+        # in the profiled window, the range's GPU-side span marks the update's kernels
+        span = (torch.profiler.record_function(f"{UPDATE}{n - at}") if state["prof"] is not None
+                else contextlib.nullcontext())
+        with span:
             result = original(self, samples, raise_oom)
         if n == at + steps - 1 and state["prof"] is not None:
             torch.cuda.synchronize()

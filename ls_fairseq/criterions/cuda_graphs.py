@@ -266,8 +266,6 @@ class CudaGraphedLoss:
             torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
 
     def _capture(self, model, sample, compute):
-        self._setup(model)
-        self._check_aliases()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device=self._params[0].device)

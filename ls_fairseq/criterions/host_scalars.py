@@ -39,7 +39,7 @@ class HostCopy:
         return (type(value), (value,))
 
 
-def data_parallel():
+def _data_parallel():
     """True inside a distributed run of more than one process (fairseq's trainer then exchanges
     logging outputs between them)."""
     import torch.distributed as dist
@@ -47,17 +47,15 @@ def data_parallel():
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def host_value(t):
-    """A :class:`HostCopy` of ``t`` when it is a one-element CUDA tensor, else ``t``."""
-    if torch.is_tensor(t) and t.is_cuda and t.numel() == 1:
+def for_logging(t):
+    """What the criterion logs for ``t``: for a one-element CUDA tensor, ``t`` carrying a
+    :class:`HostCopy` of itself (one process), or the :class:`HostCopy` alone (several processes:
+    gathered as a number); any other value unchanged."""
+    if not (torch.is_tensor(t) and t.is_cuda and t.numel() == 1):
+        return t
+    if _data_parallel():
         return HostCopy(t)
-    return t
-
-
-def with_host_copy(t):
-    """``t``, carrying a :class:`HostCopy` of itself when it is a one-element CUDA tensor."""
-    if torch.is_tensor(t) and t.is_cuda and t.numel() == 1:
-        t.ls_host_copy = HostCopy(t)
+    t.ls_host_copy = HostCopy(t)
     return t
 
 

@@ -27,7 +27,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from .. import ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from .cuda_graphs import CudaGraphedLoss
-from .host_scalars import data_parallel, host_value, to_host, with_host_copy
+from .host_scalars import for_logging, to_host
 
 
 @dataclass
@@ -69,19 +69,17 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
-        # the logged scalars start their way to the host now (see reduce_metrics); with several
-        # processes they are logged as host copies, which fairseq gathers as numbers
-        host = host_value if data_parallel() else with_host_copy
+        # the logged scalars start their way to the host now (see reduce_metrics)
         logging_output = {
-            "loss": host(loss.data),
-            "nll_loss": host(nll_loss.data),
+            "loss": for_logging(loss.data),
+            "nll_loss": for_logging(nll_loss.data),
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
         }
         if self.report_accuracy:  # fairseq reads these back in forward; here in reduce_metrics
-            logging_output["n_correct"] = host(n_correct.data)
-            logging_output["total"] = host(total.data)
+            logging_output["n_correct"] = for_logging(n_correct.data)
+            logging_output["total"] = for_logging(total.data)
         return sample_size, logging_output
 
     @staticmethod
