@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -293,8 +294,20 @@ def data_bin(tmp_path_factory):
 
 def train(data, save_dir, *extra, log_path):
     with open(log_path, "a") as f:
-        subprocess.run(fairseq("train") + [data, "--save-dir", save_dir] + TINY + list(extra),
-                       stdout=f, stderr=subprocess.STDOUT, check=True, env=_env())
+        proc = subprocess.run(fairseq("train") + [data, "--save-dir", save_dir] + TINY + list(extra),
+                              stdout=f, stderr=subprocess.STDOUT, env=_env())
+    if proc.returncode != 0 and not _aborted_after_training(proc.returncode, log_path):
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
+
+
+def _aborted_after_training(returncode, log_path):
+    """Rarely (once in CI, session 7) plain fairseq-train on the CPU finishes ("done training",
+    last checkpoint saved) and then aborts while the interpreter shuts down ("terminate called
+    without an active exception": a C++ thread still alive at exit). The run itself is complete,
+    and what these tests check is its log; any other failure still fails the test."""
+    tail = open(log_path).read().splitlines()[-3:]
+    return returncode == -signal.SIGABRT and any("done training" in l for l in tail) and \
+        any("terminate called without an active exception" in l for l in tail)
 
 
 @pytest.mark.slow
