@@ -16,7 +16,9 @@ Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entr
 a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
 ``--ls-fused-fp16-copy``), ``ls_graphs`` (``ls`` plus ``--ls-cuda-graphs``: each batch shape
 runs eagerly at its first sighting, is captured at its second and replayed from then on, so its
-steady state needs a third epoch: --epochs 3), ``ls_plain_fp16`` (the ls_ twins under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
+steady state needs a third epoch: --epochs 3), ``ls_deferred`` (``ls_graphs`` plus ls_adam's
+``--ls-deferred-overflow-check``: no update waits for the GPU), ``ls_plain_fp16`` (the ls_ twins
+under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
 (Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
 smoothing 0.1, shared embeddings), --fp16.
 
@@ -53,6 +55,10 @@ VARIANTS = {
     "ls_graphs": dict(arch="ls_transformer_wmt_en_de_big_t2t",
                       criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
                       cudnn_sdpa=True, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs"]),
+    "ls_deferred": dict(arch="ls_transformer_wmt_en_de_big_t2t",
+                        criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
+                        cudnn_sdpa=True, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs",
+                                                "--ls-deferred-overflow-check"]),
     "ls_plain_fp16": dict(arch="ls_transformer_wmt_en_de_big_t2t",
                           criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
                           cudnn_sdpa=True),

@@ -20,9 +20,11 @@
 // then the update.
 //
 // Non-finite gradients: an element whose scaled gradient is inf/NaN is left untouched (p, m, v and
-// the copy keep their old values) and `found_inf` is set to 1. fairseq's fp16 wrappers and its
-// trainer never call the optimizer with such gradients (they skip the step / raise first); the
-// flag makes a direct caller's problem visible instead of silently writing NaN into the state.
+// the copy keep their old values; scaled fp16 moments keep their true values, re-stored under the
+// new scale) and `found_inf` is set to 1. fairseq's fp16 wrappers and its trainer never call the
+// optimizer with such gradients (they skip the step / raise first); the flag makes a direct
+// caller's problem visible instead of silently writing NaN into the state. A non-finite
+// grad_scale_t skips the whole step (--ls-deferred-overflow-check's overflow signal).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -105,16 +107,21 @@ __device__ __forceinline__ void process_scalar(const SegmentView& s, int64_t i, 
   float p = to_float(static_cast<P*>(s.p)[i]);
   float m = to_float(static_cast<M*>(s.m)[i]) * ms_old;
   float v = to_float(static_cast<M*>(s.v)[i]) * vs_old;
-  if (!adam_update(g, p, m, v, h)) { bad = true; return; }
+  // A skipped element keeps its moments' true values: with scaled fp16 moments they still count
+  // towards the new scale and are re-stored under it (a no-op when the scales are 1).
+  const bool ok = adam_update(g, p, m, v, h);
+  if (!ok) bad = true;
   if (kStatsPass) {
     mmax = fmaxf(mmax, fabsf(m));
     vmax = fmaxf(vmax, v);
     return;
   }
-  static_cast<P*>(s.p)[i] = from_float<P>(p);
+  if (ok) {
+    static_cast<P*>(s.p)[i] = from_float<P>(p);
+    store_out(s.out, out_kind, i, p);
+  }
   static_cast<M*>(s.m)[i] = from_float<M>(m / ms_new);
   static_cast<M*>(s.v)[i] = from_float<M>(v / vs_new);
-  store_out(s.out, out_kind, i, p);
 }
 
 // Elements [begin, begin + N * floor((end - begin) / N)) of one segment, N per thread and
@@ -142,9 +149,10 @@ __device__ __forceinline__ int64_t process_vec(const SegmentView& s, int64_t beg
       const bool ok = adam_update(g, p, m, v, h);
       ok_all = ok_all && ok;
       if (kStatsPass) {
-        if (ok) { mmax = fmaxf(mmax, fabsf(m)); vmax = fmaxf(vmax, v); }
-      } else if (ok) {
-        pv.v[e] = from_float<P>(p);
+        mmax = fmaxf(mmax, fabsf(m));  // skipped elements too (see process_scalar)
+        vmax = fmaxf(vmax, v);
+      } else {
+        if (ok) pv.v[e] = from_float<P>(p);
         mv.v[e] = from_float<M>(m / ms_new);
         vv.v[e] = from_float<M>(v / vs_new);
       }
@@ -197,6 +205,12 @@ multi_tensor_adam_kernel(const int64_t* __restrict__ table, int nseg, Hyper h,
   const float vs_new = vscale && !kStatsPass ? vscale[1] : 1.f;
   const int okind = s.out ? out_kind : kOutNone;
   const float gscale = h.grad_scale * (grad_scale_t ? *grad_scale_t : 1.f);
+  if (!isfinite(gscale) && !mscale && !vscale) {
+    // Every scaled grad is inf/NaN (a skipped update: --ls-deferred-overflow-check sets a NaN
+    // scale on overflow), so nothing would be written: skip the reads too.
+    if (threadIdx.x == 0) *found_inf = 1;
+    return;
+  }
 
   const int64_t begin = (chunk - row[kChunkBegin]) * kChunk;
   const int64_t end = min(begin + kChunk, s.numel);

@@ -97,3 +97,42 @@ def max_rel_err(a, b):
     a, b = a.double(), b.double()
     denom = b.abs().max().clamp_min(1e-30)
     return float((a - b).abs().max() / denom)
+
+
+def fp16_optimizer_cfg(optimizer, extra=()):
+    """A fairseq config with --fp16 and the given optimizer flags (for FP16Optimizer tests)."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        "/nonexistent", "--arch", "transformer", "--task", "translation", "--optimizer",
+        optimizer, "--lr", "1e-3", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
+        "--fp16", "--fp16-init-scale", "128", *extra])
+    return convert_namespace_to_omegaconf(args)
+
+
+def fp16_trainer_run(opt, params, steps, seed, overflow_at=(), update_freq=1, clip=0.0):
+    """fairseq's trainer sequence around an FP16Optimizer: zero_grad; ``update_freq`` backward
+    passes through ``opt.backward`` (loss scaling); multiply_grads; clip_grad_norm (an
+    OverflowError skips the step, as the trainer does); step. The loss is linear in the weights
+    with a fixed random coefficient sequence, so every optimizer sees the same gradients however
+    its weights have rounded; at the updates in ``overflow_at`` one gradient element is inf.
+    Returns (OverflowErrors raised, grad norms returned by clip_grad_norm)."""
+    device = params[0].device
+    g = torch.Generator(device=device).manual_seed(seed)
+    overflows, norms = 0, []
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(update_freq):
+            coef = [torch.randn(p.shape, generator=g, device=device) * 0.01 for p in params]
+            if step in overflow_at and k == 0:
+                coef[0].view(-1)[5] = float("inf")
+            opt.backward(sum((p.float() * c).sum() for p, c in zip(params, coef)))
+        opt.multiply_grads(1.0 / update_freq)
+        try:
+            norms.append(opt.clip_grad_norm(clip))
+        except OverflowError:
+            overflows += 1
+            continue
+        opt.step()
+    return overflows, norms

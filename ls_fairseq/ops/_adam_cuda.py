@@ -145,34 +145,14 @@ def adam_step_cuda(
     return found_inf
 
 
-def _fallback(params, grads, exp_avgs, exp_avg_sqs, idx, model_copies, moment_scales, *,
-              found_inf, grad_scale, **kw):
+def _fallback(params, grads, exp_avgs, exp_avg_sqs, idx, model_copies, moment_scales, **kw):
     """Reference math for tensors the kernel does not take (non-contiguous, odd dtypes)."""
-    from .adam import adam_step_reference
+    from .adam import adam_step_skip_nonfinite_reference
 
-    for i in idx:
-        g = grads[i].float() * grad_scale
-        bad = ~torch.isfinite(g)
-        if bool(bad.any()):
-            found_inf.fill_(1)
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        if moment_scales is not None:
-            m32 = m.float() * moment_scales[i, 0]
-            v32 = v.float() * moment_scales[i, 1]
-        else:
-            m32, v32 = m.float(), v.float()
-        p32 = params[i].float()
-        old = (p32.clone(), m32.clone(), v32.clone())
-        adam_step_reference([p32], [g.masked_fill(bad, 0.0)], [m32], [v32], grad_scale=1.0, **kw)
-        for new_t, old_t in zip((p32, m32, v32), old):  # untouched where the grad was not finite
-            new_t.copy_(torch.where(bad, old_t, new_t))
-        if moment_scales is not None:
-            moment_scales[i, 0] = 1e-8 + m32.abs().max() / FP16_MAX
-            moment_scales[i, 1] = 1e-8 + v32.abs().max() / FP16_MAX
-            m32 = m32 / moment_scales[i, 0]
-            v32 = v32 / moment_scales[i, 1]
-        params[i].copy_(p32)
-        m.copy_(m32)
-        v.copy_(v32)
-        if model_copies is not None:
-            model_copies[i].copy_(p32)
+    pick = (lambda ts: None if ts is None else [ts[i] for i in idx])
+    scales = None if moment_scales is None else moment_scales[idx]
+    adam_step_skip_nonfinite_reference(pick(params), pick(grads), pick(exp_avgs),
+                                       pick(exp_avg_sqs), model_copies=pick(model_copies),
+                                       moment_scales=scales, **kw)
+    if moment_scales is not None:
+        moment_scales[idx] = scales

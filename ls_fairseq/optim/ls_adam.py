@@ -18,7 +18,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from .. import ops
-from . import flat_all_reduce
+from . import deferred_overflow, flat_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,14 @@ class LSAdamConfig(FairseqDataclass):
                   "fp16<->fp32 copy loops and the flat fp32 grad buffer (opt-in; see "
                   "docs/PERFORMANCE.md)"},
     )
+    ls_deferred_overflow_check: bool = field(
+        default=False,
+        metadata={"help": "with --fp16 and --ls-fused-fp16-copy: test an update's gradients for "
+                  "overflow on the GPU (an overflowing update is skipped there) and book the "
+                  "result in the loss scaler at the next update, so no update waits for the GPU "
+                  "(opt-in: the trainer also counts and logs skipped updates; see "
+                  "ls_fairseq/optim/deferred_overflow.py)"},
+    )
     lr: List[float] = II("optimization.lr")
 
 
@@ -51,6 +59,10 @@ class FairseqLSAdam(FairseqOptimizer):
         super().__init__(cfg)
         if getattr(cfg, "amsgrad", False):
             raise ValueError("--optimizer ls_adam does not support --amsgrad; use --optimizer adam")
+        if getattr(cfg, "ls_deferred_overflow_check", False) and not (
+                cfg.ls_fused_fp16_copy and not cfg.fp16_adam_stats):
+            raise ValueError("--ls-deferred-overflow-check needs --ls-fused-fp16-copy (and --fp16) "
+                             "and does not support --fp16-adam-stats")
         self._optimizer = LSAdam(params, fp16_stats=cfg.fp16_adam_stats, **self.optimizer_config)
         self._logged_flat_all_reduce = False
 
@@ -209,9 +221,9 @@ class LSAdam(torch.optim.Optimizer):
         updates the fp32 master (fairseq's flat tensor, or one fp32 tensor per param) and its
         moments, and writes the new fp16/bf16 weights into the model, in one kernel launch (two
         with --fp16-adam-stats). State layout is exactly that of ``step`` on the fp32 master, so
-        checkpoints are those of fairseq's FP16Optimizer + adam."""
-        from ..ops._adam_cuda import adam_step_cuda
-
+        checkpoints are those of fairseq's FP16Optimizer + adam. Returns the states whose step
+        count it advanced. Without the CUDA kernels: the same math in PyTorch (no
+        --fp16-adam-stats with a flat master there)."""
         if len(self.param_groups) != 1:
             raise RuntimeError("ls_adam --ls-fused-fp16-copy supports one param group")
         group = self.param_groups[0]
@@ -220,6 +232,13 @@ class LSAdam(torch.optim.Optimizer):
                      weight_decay=group["weight_decay"])
         fp16_params = [p for p in fp16_params if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fp16_params]
+        if self._kernels_ok([p.data for p in fp16_params]):
+            from ..ops._adam_cuda import adam_step_cuda
+        elif self.fp16_stats and torch.is_tensor(fp32_params):
+            raise RuntimeError("ls_adam --ls-fused-fp16-copy --fp16-adam-stats with a flat fp32 "
+                               "master needs the CUDA kernels")
+        else:
+            from ..ops.adam import adam_step_skip_nonfinite_reference as adam_step_cuda
         if torch.is_tensor(fp32_params):  # flat master: one state, one step count, one scale
             state = self._state_for(fp32_params)
             state["step"] += 1
@@ -228,16 +247,17 @@ class LSAdam(torch.optim.Optimizer):
             if self.fp16_stats:
                 scales = self._scales_tensor([state], fp32_params.device).expand(
                     len(masters), 2).contiguous()
+                hyper["shared_moment_scale"] = True
             adam_step_cuda(masters, grads, ms, vs, step=state["step"], grad_scale=grad_scale,
-                           model_copies=copies, moment_scales=scales,
-                           shared_moment_scale=True, **hyper)
+                           model_copies=copies, moment_scales=scales, **hyper)
             if self.fp16_stats:
                 state["exp_avg_scale"], state["exp_avg_sq_scale"] = scales[0, 0], scales[0, 1]
-            return
-        by_step = {}
+            return [state]
+        by_step, stepped = {}, []
         for p16, g, p32 in zip(fp16_params, grads, fp32_params):
             state = self._state_for(p32)
             state["step"] += 1
+            stepped.append(state)
             by_step.setdefault(state["step"], []).append((p16, g, p32, state))
         for step, items in by_step.items():
             states = [it[3] for it in items]
@@ -250,6 +270,7 @@ class LSAdam(torch.optim.Optimizer):
             if self.fp16_stats:
                 for i, s in enumerate(states):
                     s["exp_avg_scale"], s["exp_avg_sq_scale"] = scales[i, 0], scales[i, 1]
+        return stepped
 
     @torch.no_grad()
     def step(self, closure=None, scale=1.0, groups=None):
@@ -315,6 +336,10 @@ class LSFusedFP16Optimizer(FP16Optimizer):
     Same loss scaling, overflow handling (the scaler raises OverflowError from
     ``clip_grad_norm`` before any state is touched), ``--clip-norm``, ``--update-freq`` and
     state_dict as fairseq's FP16Optimizer + adam.
+
+    With ``--ls-deferred-overflow-check`` (``--fp16`` only) nothing is read back in the update:
+    the overflow test and the clip factor stay on the device and the scaler's bookkeeping is
+    done at the next ``backward`` (:mod:`.deferred_overflow`).
     """
 
     def __init__(self, cfg, params, fp32_optimizer, fp32_params, **kwargs):
@@ -331,12 +356,32 @@ class LSFusedFP16Optimizer(FP16Optimizer):
             self._master = list(fp32_params)
             for p32 in self._master:
                 p32.grad = None
+        self._deferred = bool(getattr(getattr(cfg, "optimizer", None),
+                                      "ls_deferred_overflow_check", False))
+        if self._deferred and self.scaler is None:
+            raise ValueError("--ls-deferred-overflow-check needs --fp16 (dynamic loss scaling); "
+                             "drop it with --bf16")
+        self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
 
     def _sync_fp16_grads_to_fp32(self):
         self._needs_sync = False  # the kernel reads the fp16 grads directly
 
     def _sync_fp32_params_to_fp16(self):
         pass  # the kernel writes the fp16 weights
+
+    def backward(self, loss):
+        self._book_pending()  # before the loss is scaled: fairseq's scale for this update
+        super().backward(loss)
+
+    def _book_pending(self):
+        """--ls-deferred-overflow-check: fairseq's scaler bookkeeping of the last step, now."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        old_scale = self.scaler.loss_scale
+        pending.book(self.scaler)
+        if self.scaler.loss_scale != old_scale:  # zero_grad set 1 / old scale
+            self._multiply_factor *= old_scale / self.scaler.loss_scale
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         """fairseq's clip/overflow check with one host synchronisation instead of five.
@@ -347,9 +392,16 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         nothing else is queued behind it. Same values: the fp32 norm, the clip factor and the
         overflow check are computed on the host from it."""
         grads = [p.grad for p in self.fp16_params if p.grad is not None]
+        if self._deferred:
+            self._book_pending()  # normally done by backward
         total = _fp32_grad_norm(grads)
         if aggregate_norm_fn is not None:
             total = aggregate_norm_fn(total)
+        if self._deferred:  # no read-back: overflow and clipping folded into the step's factor
+            norm, self._multiply_factor = deferred_overflow.guarded_factor(
+                total, self._multiply_factor, max_norm)
+            self._pending = deferred_overflow.PendingOverflowCheck(norm)
+            return deferred_overflow.GradNormForTrainer.wrap(norm)
         if torch.is_tensor(self._multiply_factor):  # the kernel takes it on the grads' device
             self._multiply_factor = self._multiply_factor.to(total.device)
         grad_norm = (self._multiply_factor * total).float().cpu()
@@ -364,11 +416,24 @@ class LSFusedFP16Optimizer(FP16Optimizer):
 
     def step(self, closure=None, groups=None):
         loss = closure() if closure is not None else None
-        self.fp32_optimizer.optimizer.step_fp16_master(
+        if self._deferred and self._pending is None:  # no clip_grad_norm call before the step
+            self.clip_grad_norm(0.0)
+        stepped = self.fp32_optimizer.optimizer.step_fp16_master(
             self.fp16_params, self._master, grad_scale=self._multiply_factor)
-        if self.scaler is not None:
+        if self._deferred:
+            self._pending.states = stepped  # booked at the next backward
+        elif self.scaler is not None:
             self.scaler.update()
         return loss
+
+    def state_dict(self):
+        if self._deferred:
+            self._book_pending()  # the saved loss scale and step counts are fairseq's
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        self._pending = None  # the loaded state replaces what it would have booked
+        super().load_state_dict(state_dict, optimizer_overrides)
 
     def zero_grad(self):
         for p in self.fp16_params:

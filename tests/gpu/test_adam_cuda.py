@@ -471,3 +471,137 @@ def test_fused_copy_grad_norm_is_fairseqs_with_one_host_sync(clip):
         norms[name] = float(norm)
         opt.step()
     assert norms["fused"] == pytest.approx(norms["fairseq"], rel=1e-5)
+
+
+# ---- --ls-deferred-overflow-check (flat fp32 master, the CUDA kernel) -------------------------
+# The per-tensor master on CPU: tests/test_deferred_overflow.py (same comparison, same reasons).
+
+_DEFERRED = ["--ls-fused-fp16-copy", "--ls-deferred-overflow-check"]
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+@pytest.mark.parametrize("update_freq", [1, 2])
+def test_deferred_overflow_check_matches_fairseq(clip, update_freq):
+    """fairseq's FP16Optimizer + adam (OverflowError, step skipped by the trainer) vs the deferred
+    optimizer (never raises; the kernel skips the step on a NaN factor; booked at the next
+    backward), same gradients, consecutive overflows and a growing scale: same weights (fp32
+    master relative 1e-5: kernel vs PyTorch fp32 rounding over 12 steps), loss scale, step
+    count, and the same norms for the updates that did not overflow."""
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    from fairseq_helpers import fp16_optimizer_cfg, fp16_trainer_run
+
+    overflow_at = (3, 4, 9, 11)
+    runs = {}
+    for name, optimizer, extra in (("fairseq", "adam", []), ("deferred", "ls_adam", _DEFERRED)):
+        model = _model(torch.float16, seed=3)
+        params = list(model.parameters())
+        cfg = fp16_optimizer_cfg(optimizer, ["--clip-norm", str(clip), "--fp16-scale-window",
+                                             "3", *extra])
+        opt = FP16Optimizer.build_optimizer(cfg, params)
+        overflows, norms = fp16_trainer_run(opt, params, 12, 5, overflow_at, update_freq, clip)
+        runs[name] = (params, opt, overflows, norms, opt.state_dict())
+    ref_params, ref, ref_overflows, ref_norms, ref_state = runs["fairseq"]
+    params, opt, overflows, norms, state = runs["deferred"]
+    assert (ref_overflows, overflows) == (len(overflow_at), 0)
+    assert state["loss_scale"] == ref_state["loss_scale"]
+    assert next(iter(state["state"].values()))["step"] == 12 - len(overflow_at)
+    finite = [float(n) for n in norms if math.isfinite(float(n))]
+    assert len(finite) == len(ref_norms)
+    torch.testing.assert_close(torch.tensor(finite), torch.tensor([float(n) for n in ref_norms]),
+                               rtol=1e-5, atol=0)
+    master = next(iter(opt.fp32_params.values()))
+    ref_master = next(iter(ref.fp32_params.values()))
+    assert max_rel_err(master, ref_master) <= 1e-5
+    flat16 = torch.cat([p.detach().view(-1) for p in params])
+    assert torch.equal(flat16, master.detach().half())  # the kernel wrote the fp16 weights
+
+
+def test_deferred_overflow_check_never_waits_for_the_gpu():
+    """clip_grad_norm, the trainer's isfinite test and step return while earlier GPU work is
+    still running, and the next backward's bookkeeping waits only for the last norm, not for
+    work queued after it (the next forward)."""
+    import time
+
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    from fairseq_helpers import fp16_optimizer_cfg
+
+    half_second = int(0.5 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    model = _model(torch.float16, seed=3)
+    params = list(model.parameters())
+    opt = FP16Optimizer.build_optimizer(
+        fp16_optimizer_cfg("ls_adam", ["--clip-norm", "0.05", *_DEFERRED]), params)
+    x = torch.randn(64, 37, device=DEV).half()
+    for _ in range(2):  # warm-up (allocations, kernels loaded)
+        opt.zero_grad()
+        opt.backward(model(x).float().pow(2).mean())
+        opt.multiply_grads(0.5)
+        opt.clip_grad_norm(0.05)
+        opt.step()
+    opt.zero_grad()
+    opt.backward(model(x).float().pow(2).mean())
+    opt.multiply_grads(0.5)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(half_second)  # the backward, still running
+    t = time.perf_counter()
+    norm = opt.clip_grad_norm(0.05)
+    assert bool(torch.isfinite(norm).all())  # fairseq's trainer, twice
+    opt.step()
+    host = time.perf_counter() - t
+    busy = torch.cuda.Event()
+    busy.record()
+    assert host < 0.1 and not busy.query(), f"the step waited for the GPU ({host:.3f} s)"
+    torch.cuda.synchronize()
+    opt.zero_grad()
+    loss = model(x).float().pow(2).mean()
+    torch.cuda._sleep(half_second)  # the next forward, still running
+    t = time.perf_counter()
+    opt.backward(loss)  # books the last update: waits for its norm only
+    host = time.perf_counter() - t
+    assert opt._pending is None
+    assert host < 0.1, f"the bookkeeping waited for later GPU work ({host:.3f} s)"
+    torch.cuda.synchronize()
+
+
+def test_nonfinite_scale_skips_everything_and_fp16_moments_keep_true_values():
+    """A NaN grad_scale tensor (the deferred check's overflow signal) leaves every tensor
+    untouched. With scaled fp16 moments, skipped elements keep their true moment values, which
+    count towards the new scales (as in the PyTorch reference)."""
+    from ls_fairseq.ops.adam import adam_step_skip_nonfinite_reference
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    sizes = [5, 1025, 70001]
+    ps = [torch.randn(n, generator=g, device=DEV) for n in sizes]
+    ms = [torch.randn(n, generator=g, device=DEV) * 0.01 for n in sizes]
+    vs = [torch.rand(n, generator=g, device=DEV) * 0.01 for n in sizes]
+    copies = [torch.empty(n, dtype=torch.float16, device=DEV) for n in sizes]
+    old = [t.clone() for t in ps + ms + vs + copies]
+    grads = [torch.randn(n, generator=g, device=DEV) for n in sizes]
+    found = _cuda_step(ps, grads, ms, vs, step=3, grad_scale=torch.tensor(float("nan"),
+                       device=DEV), model_copies=copies, **HYPER)
+    assert found.item() == 1
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs + copies, old))
+    # scaled fp16 moments, one inf element in the largest tensor: kernel vs reference
+    ms16 = [(m * 100).half() for m in ms]
+    vs16 = [(v * 100).half() for v in vs]
+    scales = torch.full((len(sizes), 2), 0.01, device=DEV)
+    grads[2][12345] = float("inf")
+    grads[2][3] = 1e4  # moves the max |m| of the good elements
+    ref = [[t.clone() for t in ts] for ts in (ps, ms16, vs16)]
+    ref_scales = scales.clone()
+    found = _cuda_step(ps, grads, ms16, vs16, step=3, moment_scales=scales, **HYPER)
+    adam_step_skip_nonfinite_reference(*ref[:1], grads, *ref[1:], step=3,
+                                       moment_scales=ref_scales, **HYPER)
+    assert found.item() == 1
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    for i in range(len(sizes)):
+        _ulp_close(ps[i], ref[0][i], torch.float32, "param")
+        _ulp_close(ms16[i].float() * scales[i, 0], ref[1][i].float() * ref_scales[i, 0],
+                   torch.float16, "exp_avg")
+        _ulp_close(vs16[i].float() * scales[i, 1], ref[2][i].float() * ref_scales[i, 1],
+                   torch.float16, "exp_avg_sq")
+    # the skipped element kept its true moments under the new scale
+    true_m = float((old[len(sizes) + 2][12345] * 100).half()) * 0.01
+    got = float(ms16[2][12345].float() * scales[2, 0])
+    assert abs(got - true_m) <= abs(true_m) * 2**-10 + float(scales[2, 0])

@@ -1,0 +1,132 @@
+"""``--ls-deferred-overflow-check``: the fp16 overflow test of an update is read one update late,
+so no update waits for the GPU.
+
+fairseq's ``FP16Optimizer.clip_grad_norm`` reads the gradient norm back to decide whether the
+update overflowed. That read waits for the whole backward; the GPU then idles through the
+trainer's bookkeeping until the next forward is queued (the one host synchronisation left per
+update: ~7 ms of a 33 ms update at 8192 tokens on the H100, docs/PERFORMANCE.md). With this
+option (used by ``ls_adam``'s ``LSFusedFP16Optimizer``):
+
+* ``clip_grad_norm`` computes the norm, the clip factor and the overflow test on the device
+  (:func:`guarded_factor`) and folds them into the factor the Adam kernel multiplies the
+  gradients by: NaN when the norm is not finite, which makes the kernel leave every weight and
+  moment untouched (the update is skipped, as fairseq skips it). A copy of the norm starts
+  towards the host (:class:`PendingOverflowCheck`).
+* The next ``backward`` (called after the next forward has been queued, so the GPU has work
+  meanwhile) reads that copy and does fairseq's bookkeeping exactly as fairseq would have done it
+  one update earlier: ``DynamicLossScaler.check_overflow`` (lower the scale, fairseq's "gradient
+  overflow detected" log line, FloatingPointError at the minimum scale) and the Adam step count
+  taken back, or ``DynamicLossScaler.update``. So every backward scales its loss by fairseq's
+  loss scale, and every Adam step uses fairseq's step count (bias correction).
+* The trainer receives the norm as :class:`GradNormForTrainer`.
+
+What differs from fairseq, on overflowing updates only: fairseq's trainer does not count them
+(``num_updates`` and the lr schedule stay put) and logs nothing for them; here the trainer cannot
+know in time, so it counts the skipped update, logs its loss, and logs its gnorm as inf. The
+logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes one update later.
+With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
+once per ``--fp16-scale-window`` updates).
+"""
+import logging
+import math
+
+import torch
+from torch.utils._pytree import tree_map
+
+logger = logging.getLogger(__name__)
+
+
+def guarded_factor(total_norm: torch.Tensor, multiply_factor, max_norm: float):
+    """``(norm, factor)`` for fairseq's FP16Optimizer step, computed on ``total_norm``'s device
+    without reading anything back.
+
+    ``norm = multiply_factor * total_norm`` is fairseq's grad norm (the value ``clip_grad_norm``
+    returns). ``factor`` is what the optimizer multiplies the raw gradients by: fairseq's
+    ``_multiply_factor`` after clipping (times ``max_norm / norm`` when ``norm > max_norm > 0``),
+    or NaN when ``norm`` is inf/NaN (an overflow: the Adam kernel then skips every element).
+    ``multiply_factor`` is a Python number or a one-element tensor on that device."""
+    norm = total_norm.float() * multiply_factor
+    if max_norm > 0:
+        factor = torch.where(norm > max_norm, (max_norm / norm) * multiply_factor,
+                             norm * 0 + multiply_factor)
+    else:
+        factor = norm * 0 + multiply_factor
+    return norm, torch.where(torch.isfinite(norm), factor, float("nan"))
+
+
+def _plain(x):
+    if isinstance(x, GradNormForTrainer):
+        with torch._C.DisableTorchFunctionSubclass():
+            return x.as_subclass(torch.Tensor)
+    return x
+
+
+class GradNormForTrainer(torch.Tensor):
+    """The update's grad norm, on the device, as returned to fairseq's trainer.
+
+    The trainer tests it with ``torch.isfinite`` twice (to raise FloatingPointError on NaN
+    gradients, and before logging it), and on a CUDA tensor each test waits for the GPU. Here an
+    overflow has already been handled on the device (the update is skipped) and is booked at the
+    next update, so the test answers True at once (a CPU tensor). Every other operation sees the
+    plain tensor and returns plain tensors, and it pickles as a plain tensor (fairseq's meters
+    keep the last logged value, and checkpoints save the meters)."""
+
+    @staticmethod
+    def wrap(norm: torch.Tensor) -> "GradNormForTrainer":
+        return norm.as_subclass(GradNormForTrainer)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.isfinite or func is torch.Tensor.isfinite:
+            return torch.ones((), dtype=torch.bool)
+        args, kwargs = tree_map(_plain, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def plain(self) -> torch.Tensor:
+        return _plain(self)
+
+    def __reduce_ex__(self, protocol):
+        return self.plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return self.plain().clone()
+
+
+class PendingOverflowCheck:
+    """The grad norm of an update whose optimizer step was queued without knowing whether it
+    overflowed, on its way to the host, and the optimizer states that step counted."""
+
+    __slots__ = ("_host", "_event", "states")
+
+    def __init__(self, norm: torch.Tensor):
+        self.states = []
+        norm = norm.detach().reshape(())
+        if norm.is_cuda:
+            self._host = torch.empty((), dtype=norm.dtype, pin_memory=True)
+            self._host.copy_(norm, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = norm.clone(), None
+
+    def norm(self) -> float:
+        if self._event is not None:
+            self._event.synchronize()
+        return float(self._host)
+
+    def book(self, scaler) -> None:
+        """fairseq's bookkeeping for the update, done now: on overflow, the step counts taken
+        back and ``scaler.check_overflow`` (lowers the scale; FloatingPointError at the
+        minimum), otherwise ``scaler.update()``."""
+        value = self.norm()
+        if math.isfinite(value):
+            scaler.update()
+            return
+        for state in self.states:
+            state["step"] -= 1
+        try:
+            scaler.check_overflow(value)
+        except OverflowError as e:  # what fairseq's trainer logs, one update late
+            logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {e} (found at "
+                        f"the next update: --ls-deferred-overflow-check; the trainer counted "
+                        f"the skipped update)")

@@ -1,0 +1,134 @@
+"""``--ls-deferred-overflow-check`` vs fairseq's FP16Optimizer + adam (CPU, per-tensor fp32
+masters: ``--fp16-no-flatten-grads``; the flat master and the CUDA kernel are covered in
+tests/gpu/test_adam_cuda.py).
+
+Both optimizers get the same gradient sequence, with overflows injected, consecutive ones
+included, and a short scale window so the scale also grows. fairseq raises OverflowError from
+``clip_grad_norm`` and its trainer skips the step; the deferred optimizer never raises, skips the
+step itself and books the overflow at the next backward. The results must be fairseq's: same
+weights (relative 1e-6 on the fp32 masters: the clip factor is computed in fp32 on the device
+instead of in Python's float64), same fp16 weights (one fp16 ulp), same loss scale, same Adam
+step counts, the same norms for the updates that did not overflow, one log line per overflow.
+"""
+import copy
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+from fairseq.logging import metrics
+from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+from fairseq_helpers import fp16_optimizer_cfg, fp16_trainer_run
+from ls_fairseq.optim.deferred_overflow import GradNormForTrainer, guarded_factor
+from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
+
+SHAPES = [(7,), (33, 5), (1025,), (2, 3, 11)]
+DEFERRED = ["--ls-fused-fp16-copy", "--ls-deferred-overflow-check"]
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).half()) for s in SHAPES]
+
+
+def _build(optimizer, extra):
+    params = _params()
+    cfg = fp16_optimizer_cfg(optimizer, ["--fp16-no-flatten-grads", *extra])
+    return params, FP16Optimizer.build_optimizer(cfg, params)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+@pytest.mark.parametrize("update_freq", [1, 2])
+@pytest.mark.parametrize("overflow_at", [(4,), (3, 4, 9), (11,)])
+def test_matches_fairseq_fp16_optimizer_with_overflows(clip, update_freq, overflow_at, caplog):
+    extra = ["--clip-norm", str(clip), "--fp16-scale-window", "3"]
+    ref_params, ref = _build("adam", extra)
+    params, opt = _build("ls_adam", extra + DEFERRED)
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt._deferred
+    steps = 12
+    ref_overflows, ref_norms = fp16_trainer_run(ref, ref_params, steps, 1, overflow_at,
+                                                update_freq, clip)
+    with caplog.at_level(logging.INFO, logger="ls_fairseq.optim.deferred_overflow"):
+        overflows, norms = fp16_trainer_run(opt, params, steps, 1, overflow_at, update_freq,
+                                            clip)
+        state = opt.state_dict()  # books the last update (it may have overflowed)
+    assert ref_overflows == len(overflow_at) and overflows == 0
+    notes = [r for r in caplog.records if "gradient overflow detected" in r.getMessage()]
+    assert len(notes) == len(overflow_at)
+    assert state["loss_scale"] == ref.state_dict()["loss_scale"]
+    assert [s["step"] for s in state["state"].values()] == [steps - len(overflow_at)] * len(SHAPES)
+    finite = [float(n) for n in norms if torch.isfinite(n.plain())]
+    assert len(finite) == len(ref_norms)
+    torch.testing.assert_close(torch.tensor(finite), torch.tensor([float(n) for n in ref_norms]),
+                               rtol=1e-6, atol=0)
+    for p, rp in zip(params, ref_params):
+        torch.testing.assert_close(p.float(), rp.float(), rtol=2**-10, atol=0)
+    for m, rm in zip(opt.fp32_params, ref.fp32_params):
+        torch.testing.assert_close(m, rm, rtol=1e-6, atol=1e-7)
+
+
+def test_min_loss_scale_error_one_update_late():
+    """fairseq stops training when an overflow would take the scale below --min-loss-scale; the
+    deferred optimizer raises the same error at the next update's backward."""
+    extra = ["--fp16-init-scale", "1", "--min-loss-scale", "0.5"]
+    ref_params, ref = _build("adam", extra)
+    with pytest.raises(FloatingPointError, match="Minimum loss scale reached"):
+        fp16_trainer_run(ref, ref_params, 4, 1, overflow_at=(2,))
+    params, opt = _build("ls_adam", extra + DEFERRED)
+    fp16_trainer_run(opt, params, 3, 1, overflow_at=(2,))  # updates 0-2 run
+    with pytest.raises(FloatingPointError, match="Minimum loss scale reached"):
+        fp16_trainer_run(opt, params, 1, 2)  # the backward of update 3 books update 2
+
+
+def test_grad_norm_for_trainer_answers_isfinite_and_is_plain_otherwise():
+    norm = GradNormForTrainer.wrap(torch.tensor(float("inf")))
+    finite = torch.isfinite(norm)
+    assert finite.device.type == "cpu" and bool(finite.all())  # what the trainer asks
+    assert bool(norm.isfinite())
+    for derived in (norm * 1.0, norm > 0.1, torch.where(norm > 0.1, norm.new_tensor(100),
+                                                        norm.new_tensor(0)), norm.cpu()):
+        assert type(derived) is torch.Tensor
+    assert type(copy.deepcopy(norm)) is torch.Tensor
+    assert type(pickle.loads(pickle.dumps(norm))) is torch.Tensor
+    buf = io.BytesIO()  # checkpoints keep fairseq's meters, which keep the last logged value
+    with metrics.aggregate(new_root=True) as agg:
+        metrics.log_scalar("gnorm", GradNormForTrainer.wrap(torch.tensor(0.25)), round=3)
+        torch.save(agg.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    (meter_state,) = [state for _, key, _, state in loaded if key == "gnorm"]
+    assert type(meter_state["val"]) is torch.Tensor and float(meter_state["val"]) == 0.25
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_guarded_factor_is_fairseqs_clip_or_nan(max_norm):
+    for total, mf in ((0.3, 0.25), (10.0, 0.25), (float("inf"), 0.25), (float("nan"), 1.0),
+                      (4.0, torch.tensor(0.5))):
+        norm, factor = guarded_factor(torch.tensor(total), mf, max_norm)
+        expect_norm = total * float(mf)
+        assert float(norm) == pytest.approx(expect_norm, rel=1e-6, nan_ok=True)
+        if expect_norm != expect_norm or expect_norm == float("inf"):
+            assert torch.isnan(factor)
+        elif expect_norm > max_norm > 0:
+            assert float(factor) == pytest.approx(float(mf) * max_norm / expect_norm, rel=1e-6)
+        else:
+            assert float(factor) == pytest.approx(float(mf), rel=1e-6)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--ls-deferred-overflow-check"], "--ls-fused-fp16-copy"),
+    (DEFERRED + ["--fp16-adam-stats"], "--fp16-adam-stats"),
+])
+def test_unsupported_combinations_are_clear_errors(extra, flag):
+    with pytest.raises(ValueError, match=flag):
+        _build("ls_adam", extra)
+
+
+def test_bf16_is_a_clear_error():
+    params = _params()
+    cfg = fp16_optimizer_cfg("ls_adam", ["--fp16-no-flatten-grads", *DEFERRED])
+    cfg.common.bf16 = True  # (fairseq 0.12's command line ties --bf16 to --tpu)
+    with pytest.raises(ValueError, match="--ls-deferred-overflow-check needs --fp16"):
+        FP16Optimizer.build_optimizer(cfg, [p.bfloat16() for p in params])
