@@ -575,7 +575,7 @@ def test_nonfinite_scale_skips_everything_and_fp16_moments_keep_true_values():
     ps = [torch.randn(n, generator=g, device=DEV) for n in sizes]
     ms = [torch.randn(n, generator=g, device=DEV) * 0.01 for n in sizes]
     vs = [torch.rand(n, generator=g, device=DEV) * 0.01 for n in sizes]
-    copies = [torch.empty(n, dtype=torch.float16, device=DEV) for n in sizes]
+    copies = [torch.zeros(n, dtype=torch.float16, device=DEV) for n in sizes]
     old = [t.clone() for t in ps + ms + vs + copies]
     grads = [torch.randn(n, generator=g, device=DEV) for n in sizes]
     found = _cuda_step(ps, grads, ms, vs, step=3, grad_scale=torch.tensor(float("nan"),
