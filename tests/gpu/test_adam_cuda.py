@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from fairseq_helpers import fp16_optimizer_cfg
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops.adam import adam_step_reference
 
@@ -305,18 +306,6 @@ def test_ls_adam_matches_fairseq_adam(dtype):
 
 # ---- --fp16 (FP16Optimizer) with and without --ls-fused-fp16-copy ------------------------------
 
-def _cfg(optimizer, extra=()):
-    from fairseq import options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        "/nonexistent", "--arch", "transformer", "--task", "translation", "--optimizer",
-        optimizer, "--lr", "1e-3", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
-        "--fp16", "--fp16-init-scale", "128", *extra])
-    return convert_namespace_to_omegaconf(args)
-
-
 def _train(opt, model, steps, update_freq, clip, g, overflow_at=()):
     """fairseq's trainer sequence. The gradients are a fixed random sequence (times the loss
     scale, accumulated over update_freq "backward passes"), not the model's: with fp16 weights a
@@ -351,8 +340,8 @@ def test_fp16_optimizer_real_backward_smoke():
     weights = []
     for extra in ([], ["--ls-fused-fp16-copy"]):
         model = _model(torch.float16, seed=3)
-        opt = FP16Optimizer.build_optimizer(_cfg("ls_adam", ["--clip-norm", "0.5", *extra]),
-                                            list(model.parameters()))
+        cfg = fp16_optimizer_cfg("ls_adam", ["--clip-norm", "0.5", *extra])
+        opt = FP16Optimizer.build_optimizer(cfg, list(model.parameters()))
         g = torch.Generator(device=DEV).manual_seed(4)
         for _ in range(5):
             opt.zero_grad()
@@ -383,7 +372,7 @@ def test_fp16_optimizer_fused_copy_matches_fairseq(clip, update_freq, fp16_stats
         extra = ["--clip-norm", str(clip)] + stats
         if name == "ls_adam_fused":
             extra.append("--ls-fused-fp16-copy")
-        cfg = _cfg("adam" if name == "adam" else "ls_adam", extra)
+        cfg = fp16_optimizer_cfg("adam" if name == "adam" else "ls_adam", extra)
         model = _model(torch.float16, seed=3)
         params = list(model.parameters())
         opt = FP16Optimizer.build_optimizer(cfg, params)
@@ -428,7 +417,7 @@ def test_fp16_optimizer_fused_copy_matches_fairseq(clip, update_freq, fp16_stats
 def test_fused_copy_frees_the_fp32_grad_buffer():
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-    cfg = _cfg("ls_adam", ["--ls-fused-fp16-copy"])
+    cfg = fp16_optimizer_cfg("ls_adam", ["--ls-fused-fp16-copy"])
     opt = FP16Optimizer.build_optimizer(cfg, list(_model(torch.float16).parameters()))
     assert all(t.grad is None for t in opt.fp32_params.values())
 
@@ -445,8 +434,8 @@ def test_fused_copy_grad_norm_is_fairseqs_with_one_host_sync(clip):
     norms = {}
     for name, extra in (("fairseq", []), ("fused", ["--ls-fused-fp16-copy"])):
         model = _model(torch.float16, seed=3)
-        opt = FP16Optimizer.build_optimizer(_cfg("ls_adam", ["--clip-norm", str(clip), *extra]),
-                                            list(model.parameters()))
+        cfg = fp16_optimizer_cfg("ls_adam", ["--clip-norm", str(clip), *extra])
+        opt = FP16Optimizer.build_optimizer(cfg, list(model.parameters()))
         g = torch.Generator(device=DEV).manual_seed(4)
         opt.zero_grad()
         for p in model.parameters():
@@ -489,7 +478,7 @@ def test_deferred_overflow_check_matches_fairseq(clip, update_freq):
     count, and the same norms for the updates that did not overflow."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-    from fairseq_helpers import fp16_optimizer_cfg, fp16_trainer_run
+    from fairseq_helpers import fp16_trainer_run
 
     overflow_at = (3, 4, 9, 11)
     runs = {}
@@ -525,7 +514,6 @@ def test_deferred_overflow_check_never_waits_for_the_gpu():
 
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-    from fairseq_helpers import fp16_optimizer_cfg
 
     half_second = int(0.5 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
     model = _model(torch.float16, seed=3)
