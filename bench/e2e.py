@@ -55,14 +55,13 @@ VARIANTS = {
     "ls_graphs": dict(arch="ls_transformer_wmt_en_de_big_t2t",
                       criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
                       cudnn_sdpa=True, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs"]),
-    "ls_deferred": dict(arch="ls_transformer_wmt_en_de_big_t2t",
-                        criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
-                        cudnn_sdpa=True, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs",
-                                                "--ls-deferred-overflow-check"]),
     "ls_plain_fp16": dict(arch="ls_transformer_wmt_en_de_big_t2t",
                           criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
                           cudnn_sdpa=True),
 }
+
+VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"]["flags"] + [
+    "--ls-deferred-overflow-check"])
 
 
 def make_corpus(workdir, sentences, vocab, seed=1):

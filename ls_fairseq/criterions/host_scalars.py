@@ -18,25 +18,7 @@ numbers (a :class:`HostCopy` pickles as its value).
 """
 import torch
 
-
-class HostCopy:
-    """A non-blocking device-to-host copy of one scalar and the event that marks it done."""
-
-    __slots__ = ("_host", "_event")
-
-    def __init__(self, scalar: torch.Tensor):
-        self._host = torch.empty((), dtype=scalar.dtype, pin_memory=True)
-        self._host.copy_(scalar.detach().reshape(()), non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def value(self):
-        self._event.synchronize()
-        return self._host.item()
-
-    def __reduce__(self):  # pickled (gathered across workers): as the plain number
-        value = self.value()
-        return (type(value), (value,))
+from ..host_copy import HostCopy
 
 
 def _data_parallel():

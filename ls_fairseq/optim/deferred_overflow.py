@@ -33,6 +33,8 @@ import math
 import torch
 from torch.utils._pytree import tree_map
 
+from ..host_copy import HostCopy
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,11 +48,9 @@ def guarded_factor(total_norm: torch.Tensor, multiply_factor, max_norm: float):
     or NaN when ``norm`` is inf/NaN (an overflow: the Adam kernel then skips every element).
     ``multiply_factor`` is a Python number or a one-element tensor on that device."""
     norm = total_norm.float() * multiply_factor
+    factor = norm * 0 + multiply_factor  # on the device, whatever multiply_factor is
     if max_norm > 0:
-        factor = torch.where(norm > max_norm, (max_norm / norm) * multiply_factor,
-                             norm * 0 + multiply_factor)
-    else:
-        factor = norm * 0 + multiply_factor
+        factor = torch.where(norm > max_norm, factor * (max_norm / norm), factor)
     return norm, torch.where(torch.isfinite(norm), factor, float("nan"))
 
 
@@ -96,29 +96,17 @@ class PendingOverflowCheck:
     """The grad norm of an update whose optimizer step was queued without knowing whether it
     overflowed, on its way to the host, and the optimizer states that step counted."""
 
-    __slots__ = ("_host", "_event", "states")
+    __slots__ = ("_norm", "states")
 
     def __init__(self, norm: torch.Tensor):
+        self._norm = HostCopy(norm)
         self.states = []
-        norm = norm.detach().reshape(())
-        if norm.is_cuda:
-            self._host = torch.empty((), dtype=norm.dtype, pin_memory=True)
-            self._host.copy_(norm, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host, self._event = norm.clone(), None
-
-    def norm(self) -> float:
-        if self._event is not None:
-            self._event.synchronize()
-        return float(self._host)
 
     def book(self, scaler) -> None:
         """fairseq's bookkeeping for the update, done now: on overflow, the step counts taken
         back and ``scaler.check_overflow`` (lowers the scale; FloatingPointError at the
         minimum), otherwise ``scaler.update()``."""
-        value = self.norm()
+        value = float(self._norm.value())
         if math.isfinite(value):
             scaler.update()
             return

@@ -233,12 +233,12 @@ class LSAdam(torch.optim.Optimizer):
         fp16_params = [p for p in fp16_params if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fp16_params]
         if self._kernels_ok([p.data for p in fp16_params]):
-            from ..ops._adam_cuda import adam_step_cuda
+            from ..ops._adam_cuda import adam_step_cuda as adam_step
         elif self.fp16_stats and torch.is_tensor(fp32_params):
             raise RuntimeError("ls_adam --ls-fused-fp16-copy --fp16-adam-stats with a flat fp32 "
                                "master needs the CUDA kernels")
         else:
-            from ..ops.adam import adam_step_skip_nonfinite_reference as adam_step_cuda
+            from ..ops.adam import adam_step_skip_nonfinite_reference as adam_step
         if torch.is_tensor(fp32_params):  # flat master: one state, one step count, one scale
             state = self._state_for(fp32_params)
             state["step"] += 1
@@ -248,8 +248,8 @@ class LSAdam(torch.optim.Optimizer):
                 scales = self._scales_tensor([state], fp32_params.device).expand(
                     len(masters), 2).contiguous()
                 hyper["shared_moment_scale"] = True
-            adam_step_cuda(masters, grads, ms, vs, step=state["step"], grad_scale=grad_scale,
-                           model_copies=copies, moment_scales=scales, **hyper)
+            adam_step(masters, grads, ms, vs, step=state["step"], grad_scale=grad_scale,
+                      model_copies=copies, moment_scales=scales, **hyper)
             if self.fp16_stats:
                 state["exp_avg_scale"], state["exp_avg_sq_scale"] = scales[0, 0], scales[0, 1]
             return [state]
@@ -262,11 +262,11 @@ class LSAdam(torch.optim.Optimizer):
         for step, items in by_step.items():
             states = [it[3] for it in items]
             scales = self._scales_tensor(states, items[0][2].device) if self.fp16_stats else None
-            adam_step_cuda([it[2].data.view(-1) for it in items], [it[1] for it in items],
-                           [s["exp_avg"].view(-1) for s in states],
-                           [s["exp_avg_sq"].view(-1) for s in states], step=step,
-                           grad_scale=grad_scale, model_copies=[it[0].data.view(-1) for it in items],
-                           moment_scales=scales, **hyper)
+            adam_step([it[2].data.view(-1) for it in items], [it[1] for it in items],
+                      [s["exp_avg"].view(-1) for s in states],
+                      [s["exp_avg_sq"].view(-1) for s in states], step=step,
+                      grad_scale=grad_scale, model_copies=[it[0].data.view(-1) for it in items],
+                      moment_scales=scales, **hyper)
             if self.fp16_stats:
                 for i, s in enumerate(states):
                     s["exp_avg_scale"], s["exp_avg_sq_scale"] = scales[i, 0], scales[i, 1]
