@@ -9,6 +9,8 @@
 //
 // Backward: with xhat = (x - mean) * rstd and d = grad * w,
 //   dx = rstd * (d - mean(d) - xhat * mean(d * xhat)),  dw = sum_rows grad * xhat,  db = sum_rows grad.
+// With a residual gradient r (pre-LN blocks: x feeds both this LayerNorm and the residual branch),
+// backward returns dx + r in the same pass, so autograd's separate add of the two is not needed.
 // Invertible mode (as DeepSpeed's normalize_invertible) rebuilds xhat = (y - b) / w from the
 // output, so the caller may keep y instead of x; it needs a weight with no zero entries and its
 // xhat carries the rounding of y (fp16: ~1e-3 relative).
@@ -216,8 +218,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     ln_bwd_rows_kernel(const T* __restrict__ grad, const T* __restrict__ saved,
                        const T* __restrict__ w, const T* __restrict__ b,
                        const float* __restrict__ mean, const float* __restrict__ rstd,
-                       T* __restrict__ dx, float* __restrict__ part_w, float* __restrict__ part_b,
-                       int64_t rows, int C, bool invertible) {
+                       const T* __restrict__ res, T* __restrict__ dx, float* __restrict__ part_w,
+                       float* __restrict__ part_b, int64_t rows, int C, bool invertible) {
   __shared__ float red[kBlockThreads / kWarp][2];
   __shared__ float colsum[kBlockThreads * VEC];
   const int BT = blockDim.x, R = blockDim.y;
@@ -290,9 +292,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int k = 0; k < NV; ++k) {
       const int j = tx + k * BT;
       if (active && j < nvec) {
-        float o[VEC];
+        float o[VEC], r[VEC];
+        if (res != nullptr) {
+          load_vec<T, VEC>(res + row * C + j * VEC, r);
+        } else {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = rs * (d[k][i] - s1 - xh[k][i] * s2);
+          for (int i = 0; i < VEC; ++i) r[i] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = rs * (d[k][i] - s1 - xh[k][i] * s2) + r[i];
         store_vec<T, VEC>(dx + row * C + j * VEC, o);
       }
     }
@@ -326,7 +334,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     ln_bwd_block_kernel(const T* __restrict__ grad, const T* __restrict__ saved,
                         const T* __restrict__ w, const T* __restrict__ b,
                         const float* __restrict__ mean, const float* __restrict__ rstd,
-                        T* __restrict__ dx, int64_t rows, int C, bool invertible) {
+                        const T* __restrict__ res, T* __restrict__ dx, int64_t rows, int C,
+                        bool invertible) {
   const int nvec = C / VEC;
   const float inv_c = 1.f / static_cast<float>(C);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -351,13 +360,20 @@ __global__ void __launch_bounds__(kBlockThreads)
     s2 *= inv_c;
     for (int j = threadIdx.x; j < nvec; j += kBlockThreads) {
       const int64_t off = static_cast<int64_t>(j) * VEC;
-      float g[VEC], sv[VEC], wv[VEC], bv[VEC];
+      float g[VEC], sv[VEC], wv[VEC], bv[VEC], r[VEC];
       load_vec<T, VEC>(grad + row * C + off, g);
       load_vec<T, VEC>(saved + row * C + off, sv);
       load_wb<T, VEC>(w, b, off, wv, bv);
+      if (res != nullptr) {
+        load_vec<T, VEC>(res + row * C + off, r);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) r[i] = 0.f;
+      }
 #pragma unroll
       for (int i = 0; i < VEC; ++i)
-        g[i] = rs * (g[i] * wv[i] - s1 - make_xhat(sv[i], wv[i], bv[i], mu, rs, invertible) * s2);
+        g[i] = rs * (g[i] * wv[i] - s1 - make_xhat(sv[i], wv[i], bv[i], mu, rs, invertible) * s2) +
+               r[i];
       store_vec<T, VEC>(dx + row * C + off, g);
     }
   }
@@ -513,7 +529,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& grad_in, const at::Tensor& saved_in, const std::optional<at::Tensor>& w_in,
     const std::optional<at::Tensor>& b_in, const std::optional<at::Tensor>& mean_in,
-    const at::Tensor& rstd_in, bool invertible, bool weight_grad, bool bias_grad) {
+    const at::Tensor& rstd_in, bool invertible, bool weight_grad, bool bias_grad,
+    const std::optional<at::Tensor>& residual_grad_in) {
   const char* name = "ls_fairseq layer_norm_bwd";
   LSF_CHECK(grad_in.is_cuda(), name, ": expected a CUDA tensor");
   LSF_CHECK(grad_in.sizes() == saved_in.sizes() && grad_in.scalar_type() == saved_in.scalar_type() &&
@@ -531,6 +548,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
               ": mean must be float32 with one entry per row");
   LSF_CHECK(!weight_grad || w_in.has_value(), name, ": weight_grad needs a weight");
   LSF_CHECK(!bias_grad || b_in.has_value(), name, ": bias_grad needs a bias");
+  LSF_CHECK(!residual_grad_in.has_value() ||
+                (residual_grad_in->sizes() == grad_in.sizes() &&
+                 residual_grad_in->scalar_type() == grad_in.scalar_type() &&
+                 residual_grad_in->device() == grad_in.device()),
+            name, ": residual_grad must have the shape, dtype and device of grad");
   c10::cuda::CUDAGuard guard(grad_in.device());
   const auto grad = grad_in.contiguous();
   const auto saved = saved_in.contiguous();
@@ -540,6 +562,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   std::optional<at::Tensor> w, b;
   if (w_in.has_value()) w = w_in->contiguous();
   if (b_in.has_value()) b = b_in->contiguous();
+  at::Tensor res;
+  if (residual_grad_in.has_value()) res = residual_grad_in->contiguous();
   auto dx = at::empty_like(grad, at::MemoryFormat::Contiguous);
   const bool need_wb = weight_grad || bias_grad;
   at::Tensor dw = at::empty({weight_grad ? C : 0}, grad.options());
@@ -558,6 +582,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const T* bp = b ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
     const float* mp = invertible ? nullptr : mean.data_ptr<float>();
     const float* rp = rstd.data_ptr<float>();
+    const T* resp = res.defined() ? reinterpret_cast<const T*>(res.data_ptr()) : nullptr;
     T* dxp = reinterpret_cast<T*>(dx.data_ptr());
     at::Tensor part_w, part_b;
     int64_t chunks = 0;
@@ -599,7 +624,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
             part_b = at::empty({grid, C}, grad.options().dtype(at::kFloat));
           }
           kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(
-              gp, sp, wp, bp, mp, rp, dxp, need_wb ? part_w.data_ptr<float>() : nullptr,
+              gp, sp, wp, bp, mp, rp, resp, dxp, need_wb ? part_w.data_ptr<float>() : nullptr,
               need_wb ? part_b.data_ptr<float>() : nullptr, rows, C, invertible);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
@@ -610,8 +635,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
         }
       } else {
         const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, 1 << 20));
-        ln_bwd_block_kernel<T, VEC><<<grid, kBlockThreads, 0, stream>>>(gp, sp, wp, bp, mp, rp, dxp,
-                                                                         rows, C, invertible);
+        ln_bwd_block_kernel<T, VEC><<<grid, kBlockThreads, 0, stream>>>(
+            gp, sp, wp, bp, mp, rp, resp, dxp, rows, C, invertible);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (need_wb) {
           const int64_t gx = (C + kWarp - 1) / kWarp;
@@ -630,7 +655,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
       finish();
     };
     constexpr int V = 16 / sizeof(T);
-    if (use_vec<T>(C, {gp, sp, wp, bp, dxp})) {
+    if (use_vec<T>(C, {gp, sp, wp, bp, resp, dxp})) {
       run(std::integral_constant<int, V>{});
     } else {
       run(std::integral_constant<int, 1>{});
@@ -645,7 +670,8 @@ TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool invertible=False) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("layer_norm_bwd(Tensor grad, Tensor saved, Tensor? weight, Tensor? bias, Tensor? mean, "
-        "Tensor rstd, bool invertible, bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+        "Tensor rstd, bool invertible, bool weight_grad, bool bias_grad, Tensor? residual_grad=None) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {

@@ -7,7 +7,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.bias_act_dropout import check_activation
 from .attention import CrossAttention, SelfAttention
-from .encoder_layer import feed_forward
+from .encoder_layer import feed_forward, sublayer_input
 from .layer_norm import LayerNorm
 
 
@@ -36,9 +36,6 @@ class TransformerDecoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)
         self.final_layer_norm = LayerNorm(embed_dim)
 
-    def _sublayer_in(self, x, norm):
-        return norm(x) if self.normalize_before else x
-
     def _sublayer_out(self, y, bias, residual, norm):
         x = ops.bias_dropout_residual(y, bias, residual, self.dropout, self.training)
         return x if self.normalize_before else norm(x)
@@ -54,21 +51,20 @@ class TransformerDecoderLayer(nn.Module):
         causal: bool = True,
     ):
         """x [B, T, C]; encoder_kv = (k, v) [B, H, S, D] -> (x, cross-attention probs or None)."""
-        y, _ = self.self_attn(
-            self._sublayer_in(x, self.self_attn_layer_norm), self_attn_padding_mask,
-            causal=causal, incremental_state=incremental_state,
-        )
-        x = self._sublayer_out(y, self.self_attn.out_proj.bias, x, self.self_attn_layer_norm)
+        h, residual = sublayer_input(x, self.self_attn_layer_norm, self.normalize_before)
+        y, _ = self.self_attn(h, self_attn_padding_mask, causal=causal,
+                              incremental_state=incremental_state)
+        x = self._sublayer_out(y, self.self_attn.out_proj.bias, residual,
+                               self.self_attn_layer_norm)
 
         k, v = encoder_kv
-        y, attn = self.encoder_attn(
-            self._sublayer_in(x, self.encoder_attn_layer_norm), k, v, encoder_padding_mask,
-            need_weights=need_attn,
-        )
-        x = self._sublayer_out(y, self.encoder_attn.out_proj.bias, x, self.encoder_attn_layer_norm)
+        h, residual = sublayer_input(x, self.encoder_attn_layer_norm, self.normalize_before)
+        y, attn = self.encoder_attn(h, k, v, encoder_padding_mask, need_weights=need_attn)
+        x = self._sublayer_out(y, self.encoder_attn.out_proj.bias, residual,
+                               self.encoder_attn_layer_norm)
 
-        residual = x
-        x = feed_forward(self, self._sublayer_in(x, self.final_layer_norm), residual)
+        h, residual = sublayer_input(x, self.final_layer_norm, self.normalize_before)
+        x = feed_forward(self, h, residual)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x, attn

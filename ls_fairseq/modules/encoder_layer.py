@@ -9,6 +9,12 @@ from .attention import SelfAttention
 from .layer_norm import LayerNorm
 
 
+def sublayer_input(x, norm, normalize_before: bool):
+    """(sublayer input, residual). Pre-LN: ``(norm(x), x)``, with the residual branch's gradient
+    of ``x`` added inside the LayerNorm's backward; post-LN: ``(x, x)``."""
+    return norm.with_residual(x) if normalize_before else (x, x)
+
+
 def feed_forward(layer, x, residual):
     """``residual + dropout(fc2(dropout(act(fc1(x)))))`` with both bias epilogues fused."""
     h = ops.bias_act_dropout(F.linear(x, layer.fc1.weight), layer.fc1.bias, layer.activation_fn,
@@ -40,18 +46,14 @@ class TransformerEncoderLayer(nn.Module):
 
     def forward(self, x, encoder_padding_mask):
         """x [B, T, C], encoder_padding_mask [B, T] bool (True = pad) -> [B, T, C]."""
-        residual = x
-        if self.normalize_before:
-            x = self.self_attn_layer_norm(x)
+        x, residual = sublayer_input(x, self.self_attn_layer_norm, self.normalize_before)
         y, _ = self.self_attn(x, encoder_padding_mask, causal=False)
         x = ops.bias_dropout_residual(y, self.self_attn.out_proj.bias, residual, self.dropout,
                                       self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
-        residual = x
-        if self.normalize_before:
-            x = self.final_layer_norm(x)
+        x, residual = sublayer_input(x, self.final_layer_norm, self.normalize_before)
         x = feed_forward(self, x, residual)
         if not self.normalize_before:
             x = self.final_layer_norm(x)

@@ -15,7 +15,12 @@ from .cross_entropy import (
     label_smoothed_cross_entropy_rows_reference,
 )
 from .embedding import transformer_embedding, transformer_embedding_reference
-from .layer_norm import layer_norm, layer_norm_reference
+from .layer_norm import (
+    layer_norm,
+    layer_norm_reference,
+    layer_norm_residual,
+    layer_norm_residual_reference,
+)
 
 __all__ = [
     "adam_step",
@@ -33,6 +38,8 @@ __all__ = [
     "label_smoothed_cross_entropy_rows_reference",
     "layer_norm",
     "layer_norm_reference",
+    "layer_norm_residual",
+    "layer_norm_residual_reference",
     "transformer_embedding",
     "transformer_embedding_reference",
 ]

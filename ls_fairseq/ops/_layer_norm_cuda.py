@@ -5,6 +5,10 @@ and ``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_g
 -> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for). Autograd is registered here with
 ``torch.library.register_autograd``; fake-tensor shapes with ``torch.library.register_fake``.
 
+``layer_norm_residual_cuda(x, ...) -> (y, residual)`` is the pre-LN block's entry: ``residual`` is
+``x`` (a view of it), and the gradient arriving there is added to LayerNorm's input gradient inside
+``layer_norm_bwd``'s pass (its ``residual_grad``) instead of by a separate autograd add.
+
 ``invertible=True`` saves the output ``y`` (and ``rstd``) for backward instead of the input ``x``,
 so a caller that keeps ``y`` anyway (the next sublayer's input) lets ``x`` be freed; backward then
 rebuilds ``xhat = (y - bias) / weight``. It needs a weight without zero entries, and in fp16/bf16
@@ -25,7 +29,8 @@ def _fwd_fake(x, weight, bias, eps, invertible=False):
 
 
 @torch.library.register_fake("ls_fairseq::layer_norm_bwd")
-def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad):
+def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
+              residual_grad=None):
     c = grad.size(-1)
     return (
         torch.empty_like(grad, memory_format=torch.contiguous_format),
@@ -67,13 +72,57 @@ torch.library.register_autograd(
 )
 
 
-def layer_norm_cuda(x, weight, bias, eps: float = 1e-5, invertible: bool = False):
-    """Fused LayerNorm over the last dim; same result as ``layer_norm_reference``."""
-    if x.dtype not in _SUPPORTED or x.dim() == 0 or x.size(-1) == 0:
-        return layer_norm_reference(x, weight, bias, eps)
+def _affine_like(x, weight, bias):
     if weight is not None and weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
+    return weight, bias
+
+
+class _LayerNormKeepInput(torch.autograd.Function):
+    """(LayerNorm(x), x): the second output is ``x`` itself (autograd returns it as a view with
+    this node as its grad_fn), so both gradients of ``x`` meet in this backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        ctx.set_materialize_grads(False)
+        y, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, False)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y, x
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_residual):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if grad_y is None:
+            return grad_residual, None, None, None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        weight_grad = bool(need_w and weight is not None)
+        bias_grad = bool(need_b and bias is not None)
+        dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
+            grad_y, x, weight, bias, mean, rstd, False, weight_grad, bias_grad,
+            grad_residual if need_x else None,
+        )
+        return (
+            dx if need_x else None,
+            dw.view_as(weight) if weight_grad else None,
+            db.view_as(bias) if bias_grad else None,
+            None,
+        )
+
+
+def layer_norm_residual_cuda(x, weight, bias, eps: float = 1e-5):
+    """``(layer_norm(x), x)``; the residual's gradient is added inside LayerNorm's backward."""
+    if x.dtype not in _SUPPORTED or x.dim() == 0 or x.size(-1) == 0:
+        return layer_norm_reference(x, weight, bias, eps), x
+    weight, bias = _affine_like(x, weight, bias)
+    return _LayerNormKeepInput.apply(x, weight, bias, float(eps))
+
+
+def layer_norm_cuda(x, weight, bias, eps: float = 1e-5, invertible: bool = False):
+    """Fused LayerNorm over the last dim; same result as ``layer_norm_reference``."""
+    if x.dtype not in _SUPPORTED or x.dim() == 0 or x.size(-1) == 0:
+        return layer_norm_reference(x, weight, bias, eps)
+    weight, bias = _affine_like(x, weight, bias)
     y, _mean, _rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, float(eps), bool(invertible))
     return y

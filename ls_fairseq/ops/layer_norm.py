@@ -15,3 +15,18 @@ def layer_norm(x, weight, bias, eps: float = 1e-5):
 
         return layer_norm_cuda(x, weight, bias, eps)
     return layer_norm_reference(x, weight, bias, eps)
+
+
+def layer_norm_residual_reference(x, weight, bias, eps: float = 1e-5):
+    return layer_norm_reference(x, weight, bias, eps), x
+
+
+def layer_norm_residual(x, weight, bias, eps: float = 1e-5):
+    """``(layer_norm(x), x)`` for a pre-LN block, whose residual branch also reads ``x``. Same
+    values and gradients as the reference; the CUDA path adds the residual branch's gradient of
+    ``x`` inside LayerNorm's backward kernel (one pass instead of a kernel plus an add)."""
+    if _extension.use_kernels(x) and _extension.has_op("layer_norm_fwd"):
+        from ._layer_norm_cuda import layer_norm_residual_cuda
+
+        return layer_norm_residual_cuda(x, weight, bias, eps)
+    return layer_norm_residual_reference(x, weight, bias, eps)

@@ -270,3 +270,101 @@ def test_opcheck(kernels):
         torch.ops.ls_fairseq.layer_norm_bwd.default,
         (gy, x.detach(), w.detach(), b.detach(), mean, rstd, False, True, True),
     )
+
+
+# ---------------------------------------------------------------- LayerNorm + residual gradient
+# Pre-LN blocks read x twice: z = g(layer_norm(x)) + x. ``layer_norm_residual_cuda`` returns
+# (y, x) and adds the residual branch's gradient of x inside the backward kernel.
+
+
+def _residual_truth(x, w, b, gy, gr, eps=1e-5):
+    """float64 (dx + residual gradient, dw, db)."""
+    _, dx64, dw64, db64 = _truth(x, w, b, gy, eps)
+    return dx64 + gr.double(), dw64, db64
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,C", [(5, 17), (7, 255), (33, 512), (1024, 1024), (5, 1030),
+                                    (3, 2047), (2, 4096), (3, 5000), (0, 512)])
+def test_residual_gradient_is_added_in_backward(rows, C, dtype, kernels):
+    x, w, b, gy = _inputs(rows, C, dtype)
+    gr = torch.randn(rows, C, device="cuda").to(dtype)
+    for t in (x, w, b):
+        t.requires_grad_()
+    y, residual = kernels.layer_norm_residual_cuda(x, w, b, 1e-5)
+    assert residual.data_ptr() == x.data_ptr() and torch.equal(residual, x)  # no copy
+    torch.autograd.backward([y, residual], [gy, gr])
+    y64, _, _, _ = _truth(x, w, b, gy)
+    dx64, dw64, db64 = _residual_truth(x, w, b, gy, gr)
+    _close(y.detach(), y64, dtype, "y")
+    _norm_close(x.grad, dx64, dtype, "dx + residual gradient")
+    _norm_close(w.grad, dw64, dtype, "dw")
+    _norm_close(b.grad, db64, dtype, "db")
+
+
+def test_residual_matches_fairseq_pre_ln_block(kernels):
+    """Against fairseq's LayerNorm in a pre-LN block ``x + f(LN(x))`` (same weights, fp16), with
+    a residual gradient that is ~100x the LayerNorm's: a dropped or doubled residual term is off
+    by O(1); a correct fused sum rounds once where autograd's add rounds twice (<= 2 fp16 units)."""
+    from fairseq.modules import LayerNorm as FairseqLayerNorm
+
+    ref = FairseqLayerNorm(1024).cuda().half()
+    with torch.no_grad():
+        ref.weight.normal_(1, 0.3)
+        ref.bias.normal_(0, 0.3)
+    x = torch.randn(23, 7, 1024, device="cuda", dtype=torch.float16, requires_grad=True)
+    scale = torch.randn(1024, device="cuda", dtype=torch.float16)
+    gz = torch.randn_like(x)
+    w = ref.weight.detach().clone().requires_grad_()
+    b = ref.bias.detach().clone().requires_grad_()
+    y, residual = kernels.layer_norm_residual_cuda(x, w, b, ref.eps)
+    (residual * 100 + y * scale).backward(gz)
+    x2 = x.detach().clone().requires_grad_()
+    (x2 * 100 + ref(x2) * scale).backward(gz)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=2e-3, atol=2e-3 * 100)
+    _norm_close(w.grad, ref.weight.grad.double(), torch.float16, "dw vs fairseq", factor=2)
+    _norm_close(b.grad, ref.bias.grad.double(), torch.float16, "db vs fairseq", factor=2)
+
+
+def test_residual_unused_or_layer_norm_unused(kernels):
+    x, w, b, gy = _inputs(9, 520, torch.float32)
+    x.requires_grad_()
+    y, residual = kernels.layer_norm_residual_cuda(x, w, b, 1e-5)
+    y.backward(gy)  # residual unused: plain LayerNorm gradient
+    _, dx64, _, _ = _truth(x, w, b, gy)
+    _norm_close(x.grad, dx64, torch.float32, "dx without residual")
+    x.grad = None
+    y, residual = kernels.layer_norm_residual_cuda(x, w, b, 1e-5)
+    (residual * 3).sum().backward()  # LayerNorm output unused: the residual gradient only
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+
+
+def test_residual_public_op_matches_reference_path(kernels):
+    from ls_fairseq.ops.layer_norm import layer_norm_residual, layer_norm_residual_reference
+
+    x, w, b, gy = _inputs(41, 1024, torch.float16)
+    gr = torch.randn_like(gy)
+    outs = []
+    for fn in (layer_norm_residual, layer_norm_residual_reference):
+        xi = x.detach().clone().requires_grad_()
+        y, r = fn(xi, w, b, 1e-5)
+        torch.autograd.backward([y, r], [gy, gr])
+        outs.append((y.detach(), xi.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=5e-3, atol=5e-3)
+
+
+def test_residual_bad_shape_raises(kernels):
+    x, w, b, gy = _inputs(4, 64, torch.float16)
+    _, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, w, b, 1e-5, False)
+    with pytest.raises(RuntimeError, match="residual_grad must have the shape"):
+        torch.ops.ls_fairseq.layer_norm_bwd(gy, x, w, b, mean, rstd, False, True, True, gy[:2])
+
+
+def test_opcheck_residual(kernels):
+    x, w, b, gy = _inputs(37, 520, torch.float32)
+    y, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, w, b, 1e-5, False)
+    torch.library.opcheck(
+        torch.ops.ls_fairseq.layer_norm_bwd.default,
+        (gy, x, w, b, mean, rstd, False, True, True, torch.randn_like(gy)),
+    )
