@@ -33,46 +33,27 @@ H, D, P = 16, 64, 0.1
 SHAPES = [(256, 32), (224, 36), (128, 64), (64, 128), (32, 256)]
 
 
-class _FlashDense(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, causal):
-        q, k, v = qkv.unbind(2)
-        t = qkv.size(1)
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, t, t, P, causal, False, scale=D ** -0.5)
-        ctx.save_for_backward(qkv, out, lse, rng, unused)
-        ctx.causal = causal
-        return out
+class _Flash(torch.autograd.Function):
+    """FlashAttention-2 on ``qkv`` with q/k/v along dim ``qkv_dim``: the dense [B, T, 3, H, D]
+    layout (``cu`` None) or packed tokens [N, 3, H, D] with cu_seqlens ``cu``."""
 
     @staticmethod
-    def backward(ctx, grad):
-        qkv, out, lse, rng, unused = ctx.saved_tensors
-        q, k, v = qkv.unbind(2)
-        t = qkv.size(1)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, None, None, t, t, P, ctx.causal, rng, unused,
-            scale=D ** -0.5)
-        return torch.stack((dq, dk, dv), 2), None
-
-
-class _FlashVarlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, packed, cu, max_len, causal):
-        q, k, v = packed.unbind(1)
+    def forward(ctx, qkv, qkv_dim, cu, max_len, causal):
+        q, k, v = qkv.unbind(qkv_dim)
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, max_len, max_len, P, causal, False, scale=D ** -0.5)
-        ctx.save_for_backward(packed, cu, out, lse, rng, unused)
-        ctx.max_len, ctx.causal = max_len, causal
+        ctx.save_for_backward(qkv, cu, out, lse, rng, unused)
+        ctx.qkv_dim, ctx.max_len, ctx.causal = qkv_dim, max_len, causal
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        packed, cu, out, lse, rng, unused = ctx.saved_tensors
-        q, k, v = packed.unbind(1)
+        qkv, cu, out, lse, rng, unused = ctx.saved_tensors
+        q, k, v = qkv.unbind(ctx.qkv_dim)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, P, ctx.causal,
-            rng, unused, scale=D ** -0.5)
-        return torch.stack((dq, dk, dv), 1), None, None, None
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, P,
+            ctx.causal, rng, unused, scale=D ** -0.5)
+        return torch.stack((dq, dk, dv), ctx.qkv_dim), None, None, None, None
 
 
 def methods(b, t, causal):
@@ -93,12 +74,12 @@ def methods(b, t, causal):
 
     def flash_dense():
         qkv.grad = None
-        _FlashDense.apply(qkv, causal).backward(grad)
+        _Flash.apply(qkv, 2, None, t, causal).backward(grad)
 
     def flash_varlen():
         qkv.grad = None
         packed = qkv.reshape(b * t, 3, H, D).index_select(0, keep)
-        out = _FlashVarlen.apply(packed, cu, max_len, causal)
+        out = _Flash.apply(packed, 1, cu, max_len, causal)
         full = out.new_zeros(b * t, H, D).index_copy(0, keep, out)
         full.view(b, t, H, D).backward(grad)
 

@@ -50,21 +50,26 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(x, weight, bias, mean, rstd)
 
 
-def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
+def _input_grads(ctx, grad_y, invertible, residual_grad=None):
+    """(dx, dw, db) for the inputs that need them (None for the others), from ``layer_norm_bwd``;
+    ``residual_grad`` is added to dx in the same pass."""
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     weight_grad = bool(need_w and weight is not None)
     bias_grad = bool(need_b and bias is not None)
     dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
-        grad_y, saved, weight, bias, mean, rstd, ctx.invertible, weight_grad, bias_grad
+        grad_y, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
+        residual_grad if need_x else None,
     )
     return (
         dx if need_x else None,
         dw.view_as(weight) if weight_grad else None,
         db.view_as(bias) if bias_grad else None,
-        None,
-        None,
     )
+
+
+def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
+    return _input_grads(ctx, grad_y, ctx.invertible) + (None, None)
 
 
 torch.library.register_autograd(
@@ -93,22 +98,9 @@ class _LayerNormKeepInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_residual):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
         if grad_y is None:
             return grad_residual, None, None, None
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        weight_grad = bool(need_w and weight is not None)
-        bias_grad = bool(need_b and bias is not None)
-        dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
-            grad_y, x, weight, bias, mean, rstd, False, weight_grad, bias_grad,
-            grad_residual if need_x else None,
-        )
-        return (
-            dx if need_x else None,
-            dw.view_as(weight) if weight_grad else None,
-            db.view_as(bias) if bias_grad else None,
-            None,
-        )
+        return _input_grads(ctx, grad_y, False, grad_residual) + (None,)
 
 
 def layer_norm_residual_cuda(x, weight, bias, eps: float = 1e-5):
