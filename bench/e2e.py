@@ -279,6 +279,10 @@ def profile_markdown(profiles):
         if p.get("profile"):
             lines.append(f"\nTop kernels, {p['variant']} (ms/update): " + "; ".join(
                 f"{n} {v:.2f}" for n, v in p["profile"]["top_kernels_ms_per_step"][:8]))
+            if p["profile"].get("idle_gaps_top"):
+                lines.append(f"\nGPU idle gaps >= 20 us, {p['variant']} (kernel before -> after: ms/update, "
+                             f"count, longest ms): " + "; ".join(
+                                 f"{k} {t:.3f}, {n}, {m:.3f}" for k, t, n, m in p["profile"]["idle_gaps_top"][:8]))
             if "host_ms_per_step_by_phase" in p["profile"]:
                 s = p["profile"]
                 lines.append(f"\nHost ms/update, {p['variant']}: " + "; ".join(
@@ -333,9 +337,10 @@ def main():
                             and r["max_tokens"] == args.max_tokens[0] and "error" not in r), {})
             # updates done before each epoch: 0, then the count at the end of each epoch
             starts = [0] + trained.get("updates_through_epoch", [])
+            profile_steps = int(os.environ.get("BENCH_PROFILE_STEPS", "5"))  # profile_summary's
             at = (starts[args.profile_epoch - 1] if args.profile_epoch <= len(starts) else 0) + 20
             p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=at,
-                            extra=["--max-update", str(at + 8 + profile_summary.PY_STEPS)])
+                            extra=["--max-update", str(at + profile_steps + 3 + profile_summary.PY_STEPS)])
             p["profile_at"] = at
             profiles.append(p)
             print(json.dumps(p), flush=True)

@@ -117,14 +117,16 @@ def cases(ops, tokens, hidden, dtype):
     bf = (0.1 * torch.randn(F4, device=dev)).to(dtype)
     gf = torch.randn(N, F4, device=dev, dtype=dtype)
     for act, fn in (("relu", F.relu), ("gelu", lambda t: F.gelu(t.float()).type_as(t))):
-        _, rng_f = ops.bias_act_dropout_fwd(xf, bf, act, P, True)
+        out_f, rng_f = ops.bias_act_dropout_fwd(xf, bf, act, P, True)
         xfe, bfe = xf.clone().requires_grad_(), bf.clone().requires_grad_()
         eager_f = F.dropout(fn(xfe + bfe), P, True)
         out.append((f"bias_{act}_dropout fwd", F4, 2 * N * F4 * es,
                     (lambda a=act: ops.bias_act_dropout_fwd(xf, bf, a, P, True)),
                     (lambda f=fn: F.dropout(f(xf + bf), P, True))))
-        out.append((f"bias_{act}_dropout bwd", F4, 3 * N * F4 * es,
-                    (lambda a=act, r=rng_f: ops.bias_act_dropout_bwd(gf, xf, bf, r, a, P, True, True)),
+        # the op's autograd runs relu's backward from the output (relu_dropout_bwd)
+        bwd = ((lambda o=out_f: ops.relu_dropout_bwd(gf, o, P, True, True)) if act == "relu" else
+               (lambda a=act, r=rng_f: ops.bias_act_dropout_bwd(gf, xf, bf, r, a, P, True, True)))
+        out.append((f"bias_{act}_dropout bwd", F4, 3 * N * F4 * es, bwd,
                     _grad(eager_f, (xfe, bfe), gf)))
 
     # embedding: vocab 32000, learned positions, sentences of 64 tokens

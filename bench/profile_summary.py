@@ -83,6 +83,7 @@ def summarize(prof, wall_s, steps):
                                           key=lambda x: -x[1])[:15],
     }
     out.update(per_update(kernels, marks, wall_us))
+    out.update(idle_gaps(kernels, steps))
     out.update(host_summary(prof, steps))
     return out
 
@@ -108,6 +109,29 @@ def per_update(kernels, marks, wall_us):
     med = lambda key: sorted(r[key] for r in rows)[len(rows) // 2]
     return {"per_update": rows,
             "median_ms_per_update": {k: med(k) for k in ("ms", "compute_ms", "nccl_ms", "idle_ms")}}
+
+
+def _short_kernel(name):
+    return re.sub(r"^void |<.*$|\(.*$", "", name)[:48]
+
+
+def idle_gaps(kernels, steps, min_us=20.0):
+    """The GPU's idle intervals of at least ``min_us`` inside the window, grouped by the kernels
+    around them (last to finish before, first to start after): where the stream waits for the host
+    (a synchronisation, the data loader, Python between launches)."""
+    spans = sorted(kernels)
+    groups, end, before = {}, None, None
+    for s, e, name in spans:
+        if end is not None and s - end >= min_us:
+            key = f"{_short_kernel(before)} -> {_short_kernel(name)}"
+            total, count, longest = groups.get(key, (0.0, 0, 0.0))
+            groups[key] = (total + s - end, count + 1, max(longest, s - end))
+        if end is None or e >= end:
+            end, before = e, name
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"idle_gaps_ms_per_step": sum(v[0] for v in groups.values()) / steps / 1e3,
+            "idle_gaps_top": [[k, round(t / steps / 1e3, 3), n, round(m / 1e3, 3)]
+                              for k, (t, n, m) in top]}
 
 
 # fairseq's own record_function ranges in Trainer.train_step / task.train_step

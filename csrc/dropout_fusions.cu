@@ -2,6 +2,7 @@
 //
 //   bias_dropout_residual:  out = residual + dropout(x + bias)
 //   bias_act_dropout:       out = dropout(act(x + bias)),  act = relu | gelu (exact erf, as fairseq)
+//   relu_dropout_bwd:       the relu case's backward from `out` alone (see the kernel)
 //
 // Layout: x, residual, out are [rows, C] (any leading shape, contiguous); bias is [C].
 // Storage float32/float16/bfloat16, math in float32.
@@ -94,7 +95,7 @@ enum Act : int { kRelu = 0, kGelu = 1 };
 template <int ACT>
 __device__ __forceinline__ float act_fwd(float h) {
   if constexpr (ACT == kRelu) {
-    return h > 0.f ? h : 0.f;
+    return h <= 0.f ? 0.f : h;  // NaN stays NaN, as torch.relu
   } else {
     return 0.5f * h * (1.f + erff(h * 0.70710678118654752f));
   }
@@ -317,6 +318,39 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
 #pragma unroll
       for (int i = 0; i < W; ++i) {
         g[i] *= act_grad<ACT>(h[i] + b[i]);
+        acc[i] += g[i];
+      }
+      store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
+    }
+  }
+  if (partial != nullptr) write_partial<W>(acc, partial, C);
+}
+
+// Backward of out = dropout(relu(x + bias)) from `out` alone: an element passes the gradient
+// exactly when it was kept and relu was active, i.e. when out > 0 (x and bias are fp16/bf16/fp32
+// values, so a positive x + bias never rounds to a zero `out`), as torch's relu backward tests
+// its result (NaN passes). So nothing but `out` is kept for the backward: `out` is also the
+// input fc2 saves, while x (the fc1 output) is freed after the forward, and no mask is regenerated.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLanes* kRowThreads)
+    rd_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ out, T* __restrict__ grad_x,
+                  float* __restrict__ partial, int64_t rows, int64_t C, float scale) {
+  constexpr int W = Chunk<VEC>::W;
+  const int64_t units = (C + W - 1) / W;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
+  const int64_t col0 = unit * W;
+  float acc[W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) acc[i] = 0.f;
+  if (unit < units) {
+    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
+         row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
+      float g[W], o[W];
+      load_chunk<T, VEC>(grad + row * C, col0, C, g);
+      load_chunk<T, VEC>(out + row * C, col0, C, o);
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        g[i] = o[i] <= 0.f ? 0.f : g[i] * scale;
         acc[i] += g[i];
       }
       store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
@@ -554,6 +588,49 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_i
   return {grad_x, grad_bias};
 }
 
+std::tuple<at::Tensor, at::Tensor> relu_dropout_bwd(const at::Tensor& grad_in,
+                                                    const at::Tensor& out_in, double p, bool train,
+                                                    bool bias_grad) {
+  const char* name = "ls_fairseq relu_dropout_bwd";
+  const auto g = geometry(grad_in, name);
+  LSF_CHECK(out_in.sizes() == grad_in.sizes() && out_in.scalar_type() == grad_in.scalar_type() &&
+                out_in.device() == grad_in.device(),
+            name, ": out must have the shape, dtype and device of grad");
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const DropoutArgs drop = make_dropout(p, train);
+  const auto grad = grad_in.contiguous();
+  const auto out = out_in.contiguous();
+  auto grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor grad_bias = bias_grad ? at::Tensor() : at::empty({0}, grad.options());
+  if (g.rows == 0) {
+    if (bias_grad) grad_bias = at::zeros({g.C}, grad.options());
+    return {grad_x, grad_bias};
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = grad.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
+    const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
+    const T* op = reinterpret_cast<const T*>(out.data_ptr());
+    T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
+    auto launch = [&](auto kernel, int W) {
+      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
+      at::Tensor partial;
+      if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
+      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
+          gp, op, gxp, bias_grad ? partial.data_ptr<float>() : nullptr, g.rows, g.C, drop.scale);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (bias_grad) grad_bias = finish_bias_grad(partial, g.C, grad, stream);
+    };
+    constexpr int V = 16 / sizeof(T);
+    if (use_vec<T>(g.C, {gp, op, gxp})) {
+      launch(rd_bwd_kernel<T, V>, Chunk<V>::W);
+    } else {
+      launch(rd_bwd_kernel<T, 1>, Chunk<1>::W);
+    }
+  });
+  return {grad_x, grad_bias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
@@ -567,6 +644,8 @@ TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
         {at::Tag::nondeterministic_seeded});
   m.def("bias_act_dropout_bwd(Tensor grad, Tensor x, Tensor? bias, Tensor rng, str activation, "
         "float p, bool train, bool bias_grad) -> (Tensor, Tensor)");
+  m.def("relu_dropout_bwd(Tensor grad, Tensor out, float p, bool train, bool bias_grad) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
@@ -574,4 +653,5 @@ TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
   m.impl("bias_dropout_residual_bwd", &bias_dropout_residual_bwd);
   m.impl("bias_act_dropout_fwd", &bias_act_dropout_fwd);
   m.impl("bias_act_dropout_bwd", &bias_act_dropout_bwd);
+  m.impl("relu_dropout_bwd", &relu_dropout_bwd);
 }

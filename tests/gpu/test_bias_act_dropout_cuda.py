@@ -157,3 +157,54 @@ def test_opcheck():
         torch.ops.ls_fairseq.bias_act_dropout_bwd.default,
         (g, x.detach(), b.detach(), rng, "gelu", 0.2, True, True),
     )
+
+
+def test_relu_backward_opcheck():
+    x = torch.randn(37, 520, device="cuda")
+    out, _ = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, None, "relu", 0.2, True)
+    g = torch.randn_like(x)
+    for bias_grad in (True, False):
+        torch.library.opcheck(torch.ops.ls_fairseq.relu_dropout_bwd.default,
+                              (g, out, 0.2, True, bias_grad))
+    with pytest.raises(RuntimeError, match="out must have the shape"):
+        torch.ops.ls_fairseq.relu_dropout_bwd(g, out[:, :10], 0.2, True, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,C", SHAPES)
+def test_relu_backward_from_the_output_equals_the_regenerated_mask(rows, C, dtype):
+    """relu_dropout_bwd (reads ``out``) gives bit for bit what bias_act_dropout_bwd (regenerates
+    the mask, recomputes ``x + b``) gives: a kept, active element has ``out > 0`` and both scale
+    the same gradient once; the bias sums add the same values in the same order."""
+    x = (2 * torch.randn(rows, C, device="cuda")).to(dtype)
+    x[:, ::3] = 0  # ties at zero: relu'(0) = 0 in both
+    b = torch.randn(C, device="cuda").to(dtype)
+    b[::5] = 0
+    g = torch.randn(rows, C, device="cuda").to(dtype)
+    for p, train in ((0.1, True), (0.0, True), (0.3, False), (1.0, True)):
+        out, rng = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, b, "relu", p, train)
+        a = torch.ops.ls_fairseq.bias_act_dropout_bwd(g, x, b, rng, "relu", p, train, True)
+        r = torch.ops.ls_fairseq.relu_dropout_bwd(g, out, p, train, True)
+        assert torch.equal(a[0], r[0]) and torch.equal(a[1], r[1]), (p, train)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_what_the_backward_keeps(act):
+    """relu keeps only its output (which fc2 saves anyway): its input, the fc1 GEMM output, is
+    freed once the caller drops it; gelu keeps the input. Measured as allocated memory between
+    the forward and the backward."""
+    rows, C = 2048, 4096
+    size = rows * C * 2
+    w = torch.randn(C, device="cuda", dtype=torch.float16, requires_grad=True)
+    b = torch.randn(C, device="cuda", dtype=torch.float16, requires_grad=True)
+    x0 = torch.randn(rows, C, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    x = x0 * w  # a non-leaf input (as the GEMM output is): freed unless the op keeps it
+    out = bias_act_dropout(x, b, act, 0.1, True)
+    del x
+    kept = torch.cuda.memory_allocated() - before
+    expected = size if act == "relu" else 2 * size  # out (+ x for gelu), plus small tensors
+    assert expected <= kept < expected + size // 4, (act, kept / size)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(w.grad).all() and torch.isfinite(b.grad).all()
