@@ -173,9 +173,11 @@ def test_relu_backward_opcheck():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,C", SHAPES)
 def test_relu_backward_from_the_output_equals_the_regenerated_mask(rows, C, dtype):
-    """relu_dropout_bwd (reads ``out``) gives bit for bit what bias_act_dropout_bwd (regenerates
-    the mask, recomputes ``x + b``) gives: a kept, active element has ``out > 0`` and both scale
-    the same gradient once; the bias sums add the same values in the same order."""
+    """relu_dropout_bwd (reads ``out``) gives bit for bit the grad_x that bias_act_dropout_bwd
+    (regenerates the mask, recomputes ``x + b``) gives: a kept, active element has ``out > 0``
+    and both scale the same gradient once. The bias gradients sum the same values, but each
+    kernel's grid follows its own occupancy, so the float32 partial sums may be grouped
+    differently: equal within the dtype's tolerance."""
     x = (2 * torch.randn(rows, C, device="cuda")).to(dtype)
     x[:, ::3] = 0  # ties at zero: relu'(0) = 0 in both
     b = torch.randn(C, device="cuda").to(dtype)
@@ -185,7 +187,8 @@ def test_relu_backward_from_the_output_equals_the_regenerated_mask(rows, C, dtyp
         out, rng = torch.ops.ls_fairseq.bias_act_dropout_fwd(x, b, "relu", p, train)
         a = torch.ops.ls_fairseq.bias_act_dropout_bwd(g, x, b, rng, "relu", p, train, True)
         r = torch.ops.ls_fairseq.relu_dropout_bwd(g, out, p, train, True)
-        assert torch.equal(a[0], r[0]) and torch.equal(a[1], r[1]), (p, train)
+        assert torch.equal(a[0], r[0]), (p, train)
+        _norm_close(r[1], a[1].double(), dtype, f"grad_bias p={p} train={train}")
 
 
 @pytest.mark.parametrize("act", ACTS)

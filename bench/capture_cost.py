@@ -1,0 +1,106 @@
+"""What a batch shape costs under ``--ls-cuda-graphs``: its eager first sighting, its capture at the
+second sighting (split into the warm-up step, the captured forward and backward, and
+``capture_end``, which instantiates the graph) and its replays, for transformer big (fp16, dropout
+0.3) and the ls_ criterion, on batches of WMT-like shapes (~6.7k target tokens).
+
+    python bench/capture_cost.py --shapes 24 [--warm-up first]
+
+``--warm-up first`` runs the capture's eager warm-up step only for the first captured shape (an
+experiment: the product warms up every shape, which session 3 needed against cuBLAS failures
+inside the second shape's capture). Prints a table: median wall ms per phase, synchronised.
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch  # noqa: E402
+from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
+    LSLabelSmoothedCrossEntropyCriterion,
+)
+
+ARCH = "ls_transformer_wmt_en_de_big_t2t"
+times = collections.defaultdict(list)
+
+
+class TimedGraph(torch.cuda.CUDAGraph):
+    """CUDAGraph whose capture_end (graph instantiation) is timed."""
+
+    def capture_end(self):
+        t = time.perf_counter()
+        super().capture_end()
+        times["capture_end (instantiate)"].append((time.perf_counter() - t) * 1e3)
+
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        times[name].append((time.perf_counter() - t) * 1e3)
+        return out
+    return wrapper
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=6700)
+    ap.add_argument("--warm-up", choices=["always", "first"], default="always")
+    args = ap.parse_args()
+    torch.cuda.CUDAGraph = TimedGraph  # read by cuda_graphs.py at each capture
+    d = make_dictionary(32000)
+    model = build_model(ARCH, d, ["--share-all-embeddings", "--dropout", "0.3",
+                                  "--attention-dropout", "0.1", "--activation-dropout", "0.1"])
+    model = model.cuda().half().train()
+    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(d), sentence_avg=False,
+                                                label_smoothing=0.1, ls_cuda_graphs=True)
+    runner = crit.graphs  # the criterion's CudaGraphedLoss
+    warm = runner._warm_up
+    state = {"captures": 0}
+
+    def warm_up(*a, **k):
+        state["captures"] += 1
+        if args.warm_up == "first" and state["captures"] > 1:
+            return None
+        return timed("warm-up step", warm)(*a, **k)
+
+    runner._warm_up = warm_up
+    runner._captured = timed("captured fn + capture_end", runner._captured)
+    g = torch.Generator().manual_seed(0)
+    failures = 0
+    for i in range(args.shapes):
+        t_len = 12 + (i * 7) % 60
+        bsz = max(1, args.tokens // t_len)
+        src, src_len, prev, tgt = random_batch(d, bsz, t_len + i % 5, t_len, generator=g)
+        sample = {"net_input": {"src_tokens": src.cuda(), "src_lengths": src_len.cuda(),
+                                "prev_output_tokens": prev.cuda()},
+                  "target": tgt.cuda(), "ntokens": int(tgt.ne(d.pad()).sum())}
+        for phase in ("eager (1st sighting)", "capture (2nd sighting)", "replay", "replay"):
+            for p in model.parameters():
+                p.grad = None
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                loss, _, _ = crit(model, sample)
+                (loss * 8.0).backward()
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                failures += 1
+                print(f"shape {i} {phase}: FAILED {str(e)[:300]}", flush=True)
+                break
+            times[phase].append((time.perf_counter() - t) * 1e3)
+    print(f"\n--warm-up {args.warm_up}: {args.shapes} shapes, {failures} failed, "
+          f"stats {dict(runner.stats)}")
+    print("| phase | median ms | calls |\n|---|---|---|")
+    for name, v in times.items():
+        print(f"| {name} | {sorted(v)[len(v) // 2]:.1f} | {len(v)} |")
+
+
+if __name__ == "__main__":
+    main()
