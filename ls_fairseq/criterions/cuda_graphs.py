@@ -7,11 +7,13 @@ them (30 ms). A replayed CUDA graph issues the same kernels with one call.
 How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 
 * The first time a batch shape (the shapes and dtypes of ``net_input`` and ``target``) is seen,
-  the step runs eagerly as usual (lazily grown tables, cuBLAS handles). At the second sighting
-  one more eager step, whose gradients are dropped, warms the capture stream up; then the
-  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of
-  the loss into a second, which adds the gradients into fixed accumulator buffers; from then on
-  the shape is replayed.
+  the step runs eagerly as usual (lazily grown tables, kernel loading). At the second sighting
+  the criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad``
+  of the loss into a second, which adds the gradients into fixed accumulator buffers; from then
+  on the shape is replayed. Before the first capture, one more eager step on the capture stream
+  (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
+  later shapes capture without it (``bench/capture_cost.py``: a capture then costs 63 instead of
+  105 ms for transformer big at ~6.7k tokens, against 54 ms for an eager step).
 * The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
   usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
@@ -119,6 +121,7 @@ class CudaGraphedLoss:
         self._anchor = None
         self._pending = None  # weakref to the replayed loss whose backward has not run yet
         self._warned_cpu = False
+        self._stream_warm = False  # the capture stream has run one eager warm-up step
         self.stats = collections.Counter()  # eager / captured / replayed calls (for tests/logs)
 
     # -- public ------------------------------------------------------------------------------
@@ -268,13 +271,16 @@ class CudaGraphedLoss:
     def _capture(self, model, sample, compute):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
             self._stream = torch.cuda.Stream(device=self._params[0].device)
         keys = sorted(sample["net_input"])
         static_inputs = [sample["net_input"][k].clone() for k in keys] + [sample["target"].clone()]
         static_sample = self._static_sample(sample, static_inputs)
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
-        self._warm_up(model, static_sample, compute)
+        if not self._stream_warm:
+            self._warm_up(model, static_sample, compute)
+            self._stream_warm = True
         # capture_begin/end rather than torch.cuda.graph(): that context manager also runs
         # gc.collect() and empties the allocator cache at every capture
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -295,11 +301,14 @@ class CudaGraphedLoss:
         return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd)
 
     def _warm_up(self, model, sample, compute):
-        """One eager step of this shape on the capture stream, its gradients dropped and its
-        dropout draws undone, before the capture (as torch's make_graphed_callables does): the
-        libraries pick, load and set up what these shapes need on this stream (cuBLAS kernels
-        and workspace) outside the capture. Without it, the second shape's capture failed in
-        cublasGemmEx (CUBLAS_STATUS_EXECUTION_FAILED) on the H100."""
+        """One eager step on the capture stream, its gradients dropped and its dropout draws
+        undone, before the first capture (as torch's make_graphed_callables does): the libraries
+        set up what they keep per stream (cuBLAS workspace and handles) outside a capture. In
+        session 3, captures without any warm-up failed in cublasGemmEx
+        (CUBLAS_STATUS_EXECUTION_FAILED) on the H100. Once the stream is set up, a shape's own
+        kernels are already loaded by its eager first sighting: session 10 captured 24 shapes
+        (``bench/capture_cost.py``) and fairseq-train's 190 (``bench/e2e.py``) with this one
+        warm-up."""
         rng = torch.cuda.get_rng_state()
         with torch.cuda.stream(self._stream):
             outputs = self._run(model, sample, compute)
