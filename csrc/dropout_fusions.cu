@@ -210,36 +210,59 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kLanes* kRowThreads)
-    bdr_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial,
-                   int64_t rows, int64_t C, DropoutArgs drop, const int64_t* __restrict__ rng) {
+// The loop the backward kernels share: for each row this thread covers, the upstream gradient
+// chunk g is loaded, transformed in place by op(row, g) (dropout mask, activation derivative),
+// written to grad_x and added to the thread's column sums, which become the block's row of
+// bias-gradient partials (when `partial` is not null). Every thread reaches write_partial's
+// barrier.
+template <typename T, int VEC, typename Op>
+__device__ __forceinline__ void backward_rows(const T* __restrict__ grad, T* __restrict__ grad_x,
+                                              float* __restrict__ partial, int64_t rows,
+                                              int64_t C, int64_t col0, bool active, Op op) {
   constexpr int W = Chunk<VEC>::W;
-  const int64_t units = (C + W - 1) / W;
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
-  const int64_t col0 = unit * W;
   float acc[W];
 #pragma unroll
   for (int i = 0; i < W; ++i) acc[i] = 0.f;
-  if (unit < units) {
-    const uint64_t seed = drop.enabled ? static_cast<uint64_t>(rng[0]) : 0;
-    const uint64_t offset = drop.enabled ? static_cast<uint64_t>(rng[1]) : 0;
+  if (active) {
     for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
          row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
       float g[W];
       load_chunk<T, VEC>(grad + row * C, col0, C, g);
-      if (drop.enabled) {
-        bool keep[W];
-        keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
-#pragma unroll
-        for (int i = 0; i < W; ++i) g[i] = keep[i] ? g[i] * drop.scale : 0.f;
-      }
+      op(row, g);
 #pragma unroll
       for (int i = 0; i < W; ++i) acc[i] += g[i];
       store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
     }
   }
   if (partial != nullptr) write_partial<W>(acc, partial, C);
+}
+
+// This thread's first column (and whether it has one): threadIdx.x walks chunks of W columns.
+template <int W>
+__device__ __forceinline__ bool chunk_start(int64_t C, int64_t& col0) {
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
+  col0 = unit * W;
+  return unit < (C + W - 1) / W;
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLanes* kRowThreads)
+    bdr_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial,
+                   int64_t rows, int64_t C, DropoutArgs drop, const int64_t* __restrict__ rng) {
+  constexpr int W = Chunk<VEC>::W;
+  int64_t col0;
+  const bool active = chunk_start<W>(C, col0);
+  const uint64_t seed = drop.enabled && active ? static_cast<uint64_t>(rng[0]) : 0;
+  const uint64_t offset = drop.enabled && active ? static_cast<uint64_t>(rng[1]) : 0;
+  backward_rows<T, VEC>(grad, grad_x, partial, rows, C, col0, active,
+                        [&](int64_t row, float(&g)[W]) {
+    if (drop.enabled) {
+      bool keep[W];
+      keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+      for (int i = 0; i < W; ++i) g[i] = keep[i] ? g[i] * drop.scale : 0.f;
+    }
+  });
 }
 
 // ================================================================ bias + activation + dropout
@@ -288,42 +311,30 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
                    T* __restrict__ grad_x, float* __restrict__ partial, int64_t rows, int64_t C,
                    DropoutArgs drop, const int64_t* __restrict__ rng) {
   constexpr int W = Chunk<VEC>::W;
-  const int64_t units = (C + W - 1) / W;
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
-  const int64_t col0 = unit * W;
-  float acc[W];
+  int64_t col0;
+  const bool active = chunk_start<W>(C, col0);
+  const uint64_t seed = drop.enabled && active ? static_cast<uint64_t>(rng[0]) : 0;
+  const uint64_t offset = drop.enabled && active ? static_cast<uint64_t>(rng[1]) : 0;
+  float b[W];
+  if (bias != nullptr && active) {
+    load_chunk<T, VEC>(bias, col0, C, b);
+  } else {
 #pragma unroll
-  for (int i = 0; i < W; ++i) acc[i] = 0.f;
-  if (unit < units) {
-    const uint64_t seed = drop.enabled ? static_cast<uint64_t>(rng[0]) : 0;
-    const uint64_t offset = drop.enabled ? static_cast<uint64_t>(rng[1]) : 0;
-    float b[W];
-    if (bias != nullptr) {
-      load_chunk<T, VEC>(bias, col0, C, b);
-    } else {
-#pragma unroll
-      for (int i = 0; i < W; ++i) b[i] = 0.f;
-    }
-    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
-         row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
-      float g[W], h[W];
-      load_chunk<T, VEC>(grad + row * C, col0, C, g);
-      load_chunk<T, VEC>(x + row * C, col0, C, h);
-      if (drop.enabled) {
-        bool keep[W];
-        keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
-#pragma unroll
-        for (int i = 0; i < W; ++i) g[i] = keep[i] ? g[i] * drop.scale : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < W; ++i) {
-        g[i] *= act_grad<ACT>(h[i] + b[i]);
-        acc[i] += g[i];
-      }
-      store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
-    }
+    for (int i = 0; i < W; ++i) b[i] = 0.f;
   }
-  if (partial != nullptr) write_partial<W>(acc, partial, C);
+  backward_rows<T, VEC>(grad, grad_x, partial, rows, C, col0, active,
+                        [&](int64_t row, float(&g)[W]) {
+    float h[W];
+    load_chunk<T, VEC>(x + row * C, col0, C, h);
+    if (drop.enabled) {
+      bool keep[W];
+      keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+      for (int i = 0; i < W; ++i) g[i] = keep[i] ? g[i] * drop.scale : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < W; ++i) g[i] *= act_grad<ACT>(h[i] + b[i]);
+  });
 }
 
 // Backward of out = dropout(relu(x + bias)) from `out` alone: an element passes the gradient
@@ -336,27 +347,15 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
     rd_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ out, T* __restrict__ grad_x,
                   float* __restrict__ partial, int64_t rows, int64_t C, float scale) {
   constexpr int W = Chunk<VEC>::W;
-  const int64_t units = (C + W - 1) / W;
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kLanes + threadIdx.x;
-  const int64_t col0 = unit * W;
-  float acc[W];
+  int64_t col0;
+  const bool active = chunk_start<W>(C, col0);
+  backward_rows<T, VEC>(grad, grad_x, partial, rows, C, col0, active,
+                        [&](int64_t row, float(&g)[W]) {
+    float o[W];
+    load_chunk<T, VEC>(out + row * C, col0, C, o);
 #pragma unroll
-  for (int i = 0; i < W; ++i) acc[i] = 0.f;
-  if (unit < units) {
-    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
-         row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
-      float g[W], o[W];
-      load_chunk<T, VEC>(grad + row * C, col0, C, g);
-      load_chunk<T, VEC>(out + row * C, col0, C, o);
-#pragma unroll
-      for (int i = 0; i < W; ++i) {
-        g[i] = o[i] <= 0.f ? 0.f : g[i] * scale;
-        acc[i] += g[i];
-      }
-      store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
-    }
-  }
-  if (partial != nullptr) write_partial<W>(acc, partial, C);
+    for (int i = 0; i < W; ++i) g[i] = o[i] <= 0.f ? 0.f : g[i] * scale;
+  });
 }
 
 // ================================================================ host side
@@ -394,6 +393,32 @@ at::Tensor finish_bias_grad(const at::Tensor& partial, int64_t C, const at::Tens
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
+}
+
+// The shared shape of the three backward ops: grad_x like grad, and with `bias_grad` the bias
+// gradient, summed in a fixed order from the per-block column partials the kernel writes.
+// `run(grid, partial)` launches the kernel (partial is null without bias_grad).
+template <typename Kernel, typename Run>
+std::tuple<at::Tensor, at::Tensor> run_backward(Kernel kernel, int W, const Geometry& g,
+                                                const at::Tensor& grad, const at::Tensor& grad_x,
+                                                bool bias_grad, Run run) {
+  const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W,
+                                                  grad.get_device());
+  at::Tensor partial;
+  if (bias_grad) {
+    partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
+  }
+  run(grid, bias_grad ? partial.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!bias_grad) return {grad_x, at::empty({0}, grad.options())};
+  return {grad_x, finish_bias_grad(partial, g.C, grad, c10::cuda::getCurrentCUDAStream())};
+}
+
+// What the backward ops return for zero rows.
+std::tuple<at::Tensor, at::Tensor> empty_backward(const Geometry& g, const at::Tensor& grad,
+                                                  bool bias_grad) {
+  return {at::empty_like(grad, at::MemoryFormat::Contiguous),
+          bias_grad ? at::zeros({g.C}, grad.options()) : at::empty({0}, grad.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_fwd(const at::Tensor& x_in,
@@ -454,26 +479,19 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_bwd(const at::Tensor& g
                                 rng.device() == grad_in.device()),
               name, ": rng must be the int64[2] tensor returned by the forward");
   const auto grad = grad_in.contiguous();
+  if (g.rows == 0) return empty_backward(g, grad, bias_grad);
   auto grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
-  at::Tensor grad_bias = bias_grad ? at::Tensor() : at::empty({0}, grad.options());
-  if (g.rows == 0) {
-    if (bias_grad) grad_bias = at::zeros({g.C}, grad.options());
-    return {grad_x, grad_bias};
-  }
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int dev = grad.get_device();
+  std::tuple<at::Tensor, at::Tensor> result;
   LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
     const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
     T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
+    const int64_t* rp = drop.enabled ? rng.data_ptr<int64_t>() : nullptr;
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
-      at::Tensor partial;
-      if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
-      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
-          gp, gxp, bias_grad ? partial.data_ptr<float>() : nullptr, g.rows, g.C, drop,
-          drop.enabled ? rng.data_ptr<int64_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (bias_grad) grad_bias = finish_bias_grad(partial, g.C, grad, stream);
+      result = run_backward(kernel, W, g, grad, grad_x, bias_grad, [&](dim3 grid, float* partial) {
+        kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(gp, gxp, partial, g.rows, g.C,
+                                                               drop, rp);
+      });
     };
     constexpr int V = 16 / sizeof(T);
     if (use_vec<T>(g.C, {gp, gxp})) {
@@ -482,7 +500,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_bwd(const at::Tensor& g
       launch(bdr_bwd_kernel<T, 1>, Chunk<1>::W);
     }
   });
-  return {grad_x, grad_bias};
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_act_dropout_fwd(const at::Tensor& x_in,
@@ -549,31 +567,24 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_i
                                 rng.device() == grad_in.device()),
               name, ": rng must be the int64[2] tensor returned by the forward");
   const auto grad = grad_in.contiguous();
+  if (g.rows == 0) return empty_backward(g, grad, bias_grad);
   const auto x = x_in.contiguous();
   std::optional<at::Tensor> bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
   auto grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
-  at::Tensor grad_bias = bias_grad ? at::Tensor() : at::empty({0}, grad.options());
-  if (g.rows == 0) {
-    if (bias_grad) grad_bias = at::zeros({g.C}, grad.options());
-    return {grad_x, grad_bias};
-  }
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int dev = grad.get_device();
+  std::tuple<at::Tensor, at::Tensor> result;
   LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
     const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
     const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
     T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
+    const int64_t* rp = drop.enabled ? rng.data_ptr<int64_t>() : nullptr;
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
-      at::Tensor partial;
-      if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
-      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
-          gp, xp, bp, gxp, bias_grad ? partial.data_ptr<float>() : nullptr, g.rows, g.C, drop,
-          drop.enabled ? rng.data_ptr<int64_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (bias_grad) grad_bias = finish_bias_grad(partial, g.C, grad, stream);
+      result = run_backward(kernel, W, g, grad, grad_x, bias_grad, [&](dim3 grid, float* partial) {
+        kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(gp, xp, bp, gxp, partial, g.rows,
+                                                               g.C, drop, rp);
+      });
     };
     constexpr int V = 16 / sizeof(T);
     const bool vec = use_vec<T>(g.C, {gp, xp, bp, gxp});
@@ -585,7 +596,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_i
       else launch(bad_bwd_kernel<T, 1, kGelu>, Chunk<1>::W);
     }
   });
-  return {grad_x, grad_bias};
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor> relu_dropout_bwd(const at::Tensor& grad_in,
@@ -599,27 +610,20 @@ std::tuple<at::Tensor, at::Tensor> relu_dropout_bwd(const at::Tensor& grad_in,
   c10::cuda::CUDAGuard guard(grad_in.device());
   const DropoutArgs drop = make_dropout(p, train);
   const auto grad = grad_in.contiguous();
+  if (g.rows == 0) return empty_backward(g, grad, bias_grad);
   const auto out = out_in.contiguous();
   auto grad_x = at::empty_like(grad, at::MemoryFormat::Contiguous);
-  at::Tensor grad_bias = bias_grad ? at::Tensor() : at::empty({0}, grad.options());
-  if (g.rows == 0) {
-    if (bias_grad) grad_bias = at::zeros({g.C}, grad.options());
-    return {grad_x, grad_bias};
-  }
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int dev = grad.get_device();
+  std::tuple<at::Tensor, at::Tensor> result;
   LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
     const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
     const T* op = reinterpret_cast<const T*>(out.data_ptr());
     T* gxp = reinterpret_cast<T*>(grad_x.data_ptr());
     auto launch = [&](auto kernel, int W) {
-      const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
-      at::Tensor partial;
-      if (bias_grad) partial = at::empty({static_cast<int64_t>(grid.y), g.C}, grad.options().dtype(at::kFloat));
-      kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(
-          gp, op, gxp, bias_grad ? partial.data_ptr<float>() : nullptr, g.rows, g.C, drop.scale);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (bias_grad) grad_bias = finish_bias_grad(partial, g.C, grad, stream);
+      result = run_backward(kernel, W, g, grad, grad_x, bias_grad, [&](dim3 grid, float* partial) {
+        kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(gp, op, gxp, partial, g.rows, g.C,
+                                                               drop.scale);
+      });
     };
     constexpr int V = 16 / sizeof(T);
     if (use_vec<T>(g.C, {gp, op, gxp})) {
@@ -628,7 +632,7 @@ std::tuple<at::Tensor, at::Tensor> relu_dropout_bwd(const at::Tensor& grad_in,
       launch(rd_bwd_kernel<T, 1>, Chunk<1>::W);
     }
   });
-  return {grad_x, grad_bias};
+  return result;
 }
 
 }  // namespace
