@@ -211,14 +211,17 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
 }
 
 // The loop the backward kernels share: for each row this thread covers, the upstream gradient
-// chunk g is loaded, transformed in place by op(row, g) (dropout mask, activation derivative),
-// written to grad_x and added to the thread's column sums, which become the block's row of
-// bias-gradient partials (when `partial` is not null). Every thread reaches write_partial's
-// barrier.
-template <typename T, int VEC, typename Op>
-__device__ __forceinline__ void backward_rows(const T* __restrict__ grad, T* __restrict__ grad_x,
-                                              float* __restrict__ partial, int64_t rows,
-                                              int64_t C, int64_t col0, bool active, Op op) {
+// chunk g (and, with AUX, the same chunk of `aux`: the saved input or output) is loaded, g is
+// transformed in place by op(row, g, a) (dropout mask, activation derivative), written to grad_x
+// and added to the thread's column sums, which become the block's row of bias-gradient partials
+// (when `partial` is not null). All loads happen here, through __restrict__ pointers, so the
+// compiler may issue the next row's loads before this row's store. Every thread reaches
+// write_partial's barrier.
+template <typename T, int VEC, bool AUX, typename Op>
+__device__ __forceinline__ void backward_rows(const T* __restrict__ grad, const T* __restrict__ aux,
+                                              T* __restrict__ grad_x, float* __restrict__ partial,
+                                              int64_t rows, int64_t C, int64_t col0, bool active,
+                                              Op op) {
   constexpr int W = Chunk<VEC>::W;
   float acc[W];
 #pragma unroll
@@ -226,9 +229,10 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ grad, T* __r
   if (active) {
     for (int64_t row = static_cast<int64_t>(blockIdx.y) * kRowThreads + threadIdx.y; row < rows;
          row += static_cast<int64_t>(gridDim.y) * kRowThreads) {
-      float g[W];
+      float g[W], a[W];
       load_chunk<T, VEC>(grad + row * C, col0, C, g);
-      op(row, g);
+      if constexpr (AUX) load_chunk<T, VEC>(aux + row * C, col0, C, a);
+      op(row, g, a);
 #pragma unroll
       for (int i = 0; i < W; ++i) acc[i] += g[i];
       store_chunk<T, VEC>(grad_x + row * C, col0, C, g);
@@ -254,8 +258,8 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
   const bool active = chunk_start<W>(C, col0);
   const uint64_t seed = drop.enabled && active ? static_cast<uint64_t>(rng[0]) : 0;
   const uint64_t offset = drop.enabled && active ? static_cast<uint64_t>(rng[1]) : 0;
-  backward_rows<T, VEC>(grad, grad_x, partial, rows, C, col0, active,
-                        [&](int64_t row, float(&g)[W]) {
+  backward_rows<T, VEC, false>(grad, nullptr, grad_x, partial, rows, C, col0, active,
+                               [&](int64_t row, float(&g)[W], const float(&)[W]) {
     if (drop.enabled) {
       bool keep[W];
       keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
@@ -322,10 +326,8 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
 #pragma unroll
     for (int i = 0; i < W; ++i) b[i] = 0.f;
   }
-  backward_rows<T, VEC>(grad, grad_x, partial, rows, C, col0, active,
-                        [&](int64_t row, float(&g)[W]) {
-    float h[W];
-    load_chunk<T, VEC>(x + row * C, col0, C, h);
+  backward_rows<T, VEC, true>(grad, x, grad_x, partial, rows, C, col0, active,
+                              [&](int64_t row, float(&g)[W], const float(&h)[W]) {
     if (drop.enabled) {
       bool keep[W];
       keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
@@ -349,10 +351,8 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
   constexpr int W = Chunk<VEC>::W;
   int64_t col0;
   const bool active = chunk_start<W>(C, col0);
-  backward_rows<T, VEC>(grad, grad_x, partial, rows, C, col0, active,
-                        [&](int64_t row, float(&g)[W]) {
-    float o[W];
-    load_chunk<T, VEC>(out + row * C, col0, C, o);
+  backward_rows<T, VEC, true>(grad, out, grad_x, partial, rows, C, col0, active,
+                              [&](int64_t, float(&g)[W], const float(&o)[W]) {
 #pragma unroll
     for (int i = 0; i < W; ++i) g[i] = o[i] <= 0.f ? 0.f : g[i] * scale;
   });
