@@ -43,8 +43,7 @@ def _setup_context(ctx, inputs, output):
     x, bias, activation, p, train = inputs
     out, rng = output
     ctx.mark_non_differentiable(rng)
-    ctx.has_bias = bias is not None
-    ctx.bias_shape = bias.shape if bias is not None else None
+    ctx.bias_shape = bias.shape if bias is not None else None  # None: no bias
     if activation == "relu":
         ctx.save_for_backward(out)
     else:
@@ -54,7 +53,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_rng):
     need_x, need_b = ctx.needs_input_grad[:2]
-    bias_grad = bool(need_b and ctx.has_bias)
+    bias_grad = bool(need_b and ctx.bias_shape is not None)
     if not (need_x or bias_grad):
         return None, None, None, None, None
     if ctx.activation == "relu":

@@ -50,7 +50,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(x, weight, bias, mean, rstd)
 
 
-def _input_grads(ctx, grad_y, invertible, residual_grad=None):
+def _input_grads(ctx, grad_y, residual_grad=None):
     """(dx, dw, db) for the inputs that need them (None for the others), from ``layer_norm_bwd``;
     ``residual_grad`` is added to dx in the same pass."""
     saved, weight, bias, mean, rstd = ctx.saved_tensors
@@ -58,7 +58,7 @@ def _input_grads(ctx, grad_y, invertible, residual_grad=None):
     weight_grad = bool(need_w and weight is not None)
     bias_grad = bool(need_b and bias is not None)
     dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
-        grad_y, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
+        grad_y, saved, weight, bias, mean, rstd, ctx.invertible, weight_grad, bias_grad,
         residual_grad if need_x else None,
     )
     return (
@@ -69,7 +69,7 @@ def _input_grads(ctx, grad_y, invertible, residual_grad=None):
 
 
 def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
-    return _input_grads(ctx, grad_y, ctx.invertible) + (None, None)
+    return _input_grads(ctx, grad_y) + (None, None)
 
 
 torch.library.register_autograd(
@@ -92,6 +92,7 @@ class _LayerNormKeepInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         ctx.set_materialize_grads(False)
+        ctx.invertible = False
         y, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, False)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return y, x
@@ -100,7 +101,7 @@ class _LayerNormKeepInput(torch.autograd.Function):
     def backward(ctx, grad_y, grad_residual):
         if grad_y is None:
             return grad_residual, None, None, None
-        return _input_grads(ctx, grad_y, False, grad_residual) + (None,)
+        return _input_grads(ctx, grad_y, grad_residual) + (None,)
 
 
 def layer_norm_residual_cuda(x, weight, bias, eps: float = 1e-5):
