@@ -3,6 +3,8 @@
 Two tables, both at WMT-like batches of ~8192 tokens (H=16, D=64 as in transformer big):
 
 * core: the attention op alone (q/k/v given, out [B, H, Tq, D], then backward):
+  - ``ls short`` / ``ls short packed``: backend "short" (csrc/short_attention.cu, one block per
+    (batch, head), rows of <= 128; longer rows fall through to "efficient", so those rows repeat it);
   - ``ls efficient``: ls_fairseq attention_cuda, backend "efficient" (PyTorch's fused
     memory-efficient kernel, key padding as a zero-stride bias, causal without a mask tensor);
   - ``ls softmax``: backend "softmax" (cuBLAS GEMMs around csrc/attention.cu's fused
@@ -161,10 +163,14 @@ def core_methods(case, b, t, dtype, p):
         return go
 
     ms = {
-        "ls efficient": run(lambda: attention_cuda(*views(), kpm, causal, p, True, backend="efficient"), leaves),
+        "ls short": run(lambda: attention_cuda(*views(), kpm, causal, p, True, backend="short"), leaves),
     }
     if case != "cross":
-        ms["ls efficient packed"] = run(lambda: attention_cuda_packed(qkv, kpm, causal, p, True), leaves)
+        ms["ls short packed"] = run(lambda: attention_cuda_packed(qkv, kpm, causal, p, True, "short"), leaves)
+    ms["ls efficient"] = run(lambda: attention_cuda(*views(), kpm, causal, p, True, backend="efficient"), leaves)
+    if case != "cross":
+        ms["ls efficient packed"] = run(
+            lambda: attention_cuda_packed(qkv, kpm, causal, p, True, "efficient"), leaves)
     ms.update({
         "ls softmax": run(lambda: attention_cuda(*views(), kpm, causal, p, True, backend="softmax"), leaves),
         "ls softmax contig": run(lambda: attention_cuda(*contig, kpm, causal, p, True, backend="softmax"), contig),
@@ -218,7 +224,8 @@ def module_methods(case, b, t, dtype, p):
         if packed:
             w = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
             bias = torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias])
-            o = attention_cuda_packed(F.linear(xb, w, bias).view(b, t, 3, H, D), kpm, causal, p, True)
+            o = attention_cuda_packed(F.linear(xb, w, bias).view(b, t, 3, H, D), kpm, causal, p, True,
+                                      backend)
             o = o.transpose(1, 2).reshape(b, t, e)
             return F.linear(o, m.out_proj.weight, m.out_proj.bias).transpose(0, 1)
         if cross:
@@ -248,6 +255,9 @@ def module_methods(case, b, t, dtype, p):
         ms["fairseq MHA cuDNN off"] = run(fairseq_fwd, False)
     else:
         ms["fairseq MHA (bmm path)"] = run(fairseq_fwd)
+    ms["ls short"] = run(lambda: ls_fwd("short"))
+    if not cross:
+        ms["ls short packed"] = run(lambda: ls_fwd("short", packed=True))
     ms["ls efficient"] = run(lambda: ls_fwd("efficient"))
     if not cross:
         ms["ls efficient packed"] = run(lambda: ls_fwd("efficient", packed=True))
@@ -284,8 +294,8 @@ def table(title, rows, ref_name):
 def sanitize():
     """Small fwd+bwd workload touching every kernel variant, for compute-sanitizer."""
     for dtype in (torch.float16, torch.float32):
-        for backend in ("efficient", "softmax"):
-            for tk in (5, 33, 130, 1030):
+        for backend in ("short", "efficient", "softmax"):
+            for tk in (5, 33, 128, 130, 1030):
                 for case in ("enc", "dec", "cross"):
                     b, tq = 2, (tk if case != "cross" else 7)
                     q = torch.randn(b, 2, tq, 64, device=DEV, dtype=dtype, requires_grad=True)

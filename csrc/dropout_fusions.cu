@@ -44,6 +44,7 @@
 #include "check.h"
 #include "launch_utils.h"
 #include "device_utils.cuh"
+#include "philox_dropout.cuh"
 
 namespace {
 
@@ -52,42 +53,6 @@ constexpr int kLanes = 32;
 constexpr int kRowThreads = 8;
 
 using namespace lsf;  // helpers from device_utils.cuh / launch_utils.h
-
-struct DropoutArgs {
-  bool enabled;
-  uint32_t threshold;  // keep when word >= threshold
-  float scale;         // 1 / (1 - p), 0 when p == 1
-};
-
-DropoutArgs make_dropout(double p, bool train) {
-  LSF_CHECK(p >= 0.0 && p <= 1.0, "ls_fairseq dropout: p must be in [0, 1], got ", p);
-  DropoutArgs d{train && p > 0.0, 0u, 1.f};
-  if (d.enabled) {
-    const double t = std::floor(p * 4294967296.0);
-    d.threshold = t >= 4294967295.0 ? 4294967295u : static_cast<uint32_t>(t);
-    d.scale = p < 1.0 ? static_cast<float>(1.0 / (1.0 - p)) : 0.f;
-  }
-  return d;
-}
-
-at::PhiloxCudaState next_philox(const at::Tensor& like) {
-  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
-      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(like.get_device()));
-  std::lock_guard<std::mutex> lock(gen->mutex_);
-  // Each (row, column-group) subsequence draws one Philox block of 4 words per call.
-  return gen->philox_cuda_state(4);
-}
-
-__device__ __forceinline__ void unpack_seed(const at::PhiloxCudaState& st, bool enabled,
-                                            uint64_t& seed, uint64_t& offset) {
-  seed = 0;
-  offset = 0;
-  if (enabled) {
-    auto so = at::cuda::philox::unpack(st);
-    seed = std::get<0>(so);
-    offset = std::get<1>(so);
-  }
-}
 
 // ---------------------------------------------------------------- activations
 enum Act : int { kRelu = 0, kGelu = 1 };
@@ -438,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_fwd(const at::Tensor& x
   std::optional<at::Tensor> bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
   auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
   // Written by the kernel (seed, offset; zeros without dropout).
   auto rng = g.rows == 0 ? at::zeros({2}, x.options().dtype(at::kLong))
                          : at::empty({2}, x.options().dtype(at::kLong));
@@ -474,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor> bias_dropout_residual_bwd(const at::Tensor& g
   const char* name = "ls_fairseq bias_dropout_residual_bwd";
   const auto g = geometry(grad_in, name);
   c10::cuda::CUDAGuard guard(grad_in.device());
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
   LSF_CHECK(!drop.enabled || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
                                 rng.device() == grad_in.device()),
               name, ": rng must be the int64[2] tensor returned by the forward");
@@ -516,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_fwd(const at::Tensor& x_in,
   std::optional<at::Tensor> bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
   auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
   // Written by the kernel (seed, offset; zeros without dropout).
   auto rng = g.rows == 0 ? at::zeros({2}, x.options().dtype(at::kLong))
                          : at::empty({2}, x.options().dtype(at::kLong));
@@ -562,7 +527,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_i
   check_bias(bias_in, x_in, g.C, name);
   const int act = act_code(std::string(activation));
   c10::cuda::CUDAGuard guard(grad_in.device());
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
   LSF_CHECK(!drop.enabled || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
                                 rng.device() == grad_in.device()),
               name, ": rng must be the int64[2] tensor returned by the forward");
@@ -608,7 +573,7 @@ std::tuple<at::Tensor, at::Tensor> relu_dropout_bwd(const at::Tensor& grad_in,
                 out_in.device() == grad_in.device(),
             name, ": out must have the shape, dtype and device of grad");
   c10::cuda::CUDAGuard guard(grad_in.device());
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
   const auto grad = grad_in.contiguous();
   if (g.rows == 0) return empty_backward(g, grad, bias_grad);
   const auto out = out_in.contiguous();

@@ -44,6 +44,7 @@
 #include "check.h"
 #include "launch_utils.h"
 #include "device_utils.cuh"
+#include "philox_dropout.cuh"
 
 namespace {
 
@@ -53,23 +54,6 @@ constexpr int kRowThreads = 8;
 constexpr int kSegThreads = 128;
 
 using namespace lsf;  // helpers from device_utils.cuh / launch_utils.h
-
-struct DropoutArgs {
-  bool enabled;
-  uint32_t threshold;
-  float scale;
-};
-
-DropoutArgs make_dropout(double p, bool train) {
-  LSF_CHECK(p >= 0.0 && p <= 1.0, "ls_fairseq embedding: dropout p must be in [0, 1], got ", p);
-  DropoutArgs d{train && p > 0.0, 0u, 1.f};
-  if (d.enabled) {
-    const double t = std::floor(p * 4294967296.0);
-    d.threshold = t >= 4294967295.0 ? 4294967295u : static_cast<uint32_t>(t);
-    d.scale = p < 1.0 ? static_cast<float>(1.0 / (1.0 - p)) : 0.f;
-  }
-  return d;
-}
 
 // Everything the kernels need to know about one row n: its token, position and padding.
 struct Lookup {
@@ -107,12 +91,8 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
                          DropoutArgs drop, at::PhiloxCudaState philox,
                          int64_t* __restrict__ rng_out) {
   constexpr int W = Chunk<VEC>::W;
-  uint64_t seed = 0, offset = 0;
-  if (drop.enabled) {
-    auto so = at::cuda::philox::unpack(philox);
-    seed = std::get<0>(so);
-    offset = std::get<1>(so);
-  }
+  uint64_t seed, offset;
+  unpack_seed(philox, drop.enabled, seed, offset);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
     rng_out[0] = static_cast<int64_t>(seed);
     rng_out[1] = static_cast<int64_t>(offset);
@@ -312,17 +292,12 @@ std::tuple<at::Tensor, at::Tensor> embedding_fwd(const at::Tensor& tokens,
   const Inputs in = check_inputs(tokens, positions, token_weight, pos_weight, name);
   c10::cuda::CUDAGuard guard(token_weight.device());
   auto out = at::empty(out_shape(tokens, in.C), in.E.options());
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq embedding", p, train);
   auto rng = in.rows == 0 ? at::zeros({2}, in.E.options().dtype(at::kLong))
                           : at::empty({2}, in.E.options().dtype(at::kLong));
   if (in.rows == 0) return {out, rng};
   at::PhiloxCudaState philox;
-  if (drop.enabled) {
-    auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
-        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(token_weight.get_device()));
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    philox = gen->philox_cuda_state(4);
-  }
+  if (drop.enabled) philox = next_philox(token_weight);
   const Lookup lk = make_lookup(in, padding_idx, zero_pad);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int dev = token_weight.get_device();
@@ -358,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(
   LSF_CHECK(grad_in.numel() == in.rows * in.C && grad_in.scalar_type() == in.E.scalar_type() &&
                   grad_in.device() == in.E.device(),
               name, ": grad must have the shape of the output and the dtype of token_weight");
-  const DropoutArgs drop = make_dropout(p, train);
+  const DropoutArgs drop = make_dropout("ls_fairseq embedding", p, train);
   LSF_CHECK(!drop.enabled || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
                                 rng.device() == in.E.device()),
               name, ": rng must be the int64[2] tensor returned by the forward");

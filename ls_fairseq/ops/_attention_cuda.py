@@ -1,5 +1,10 @@
-"""CUDA attention for ``ls_fairseq.ops.attention``: two backends behind ``attention_cuda``.
+"""CUDA attention for ``ls_fairseq.ops.attention``: three backends behind ``attention_cuda``.
 
+* ``short``: our single-tile kernel (``csrc/short_attention.cu``) for rows of at most 128 queries
+  and keys, head size a multiple of 16 up to 128, fp16/bf16, sm_80+: one thread block per
+  (batch, head) keeps q/k/v and the scores in shared memory and runs scores, softmax, dropout and
+  both GEMMs (five in backward) on tensor cores in one launch. WMT batches are almost all such
+  rows, where the general kernels below spend their time on mostly-padding tiles.
 * ``efficient``: PyTorch's memory-efficient fused attention kernel (the CUTLASS kernel behind
   ``SDPBackend.EFFICIENT_ATTENTION``), called through ``aten::_efficient_attention_forward`` /
   ``_backward`` so that causal masking (bottom-right aligned, no mask tensor) and key padding (an
@@ -14,13 +19,15 @@
   Handles every head size and row length (a template family over row-length buckets up to 1024
   keys, a streaming kernel beyond).
 
-The default (``LS_FAIRSEQ_ATTENTION=auto``, or ``backend=None``) picks ``efficient`` wherever it
-applies and ``softmax`` otherwise (head sizes the fused kernel cannot take, causal masks with more
+The default (``LS_FAIRSEQ_ATTENTION=auto``, or ``backend=None``) picks ``short`` where it applies
+(and the rows are at most ``LS_FAIRSEQ_SHORT_ATTENTION_MAX_LEN``, default 128, keys/queries long),
+else ``efficient`` wherever it applies and ``softmax`` otherwise (head sizes the fused kernel cannot take, causal masks with more
 queries than keys, empty sequences). Measured on H100 (docs/PERFORMANCE.md, "Attention (issue
 4)"): on the strided q/k/v the modules produce, ``efficient`` is faster in GPU and wall time at
 every shape up to 256 keys, within ~10 % beyond, with O(T) instead of O(T^2) memory and no
-per-shape planning. ``LS_FAIRSEQ_ATTENTION=efficient|softmax`` (or the ``backend`` argument)
-forces one backend where it applies.
+per-shape planning. ``LS_FAIRSEQ_ATTENTION=short|efficient|softmax`` (or the ``backend``
+argument) forces one backend where it applies; a problem it cannot take falls to the next one in
+the order short -> efficient -> softmax.
 
 For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also writes the gradient
 straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
@@ -32,7 +39,10 @@ import torch
 from . import _extension
 
 ENV_VAR = "LS_FAIRSEQ_ATTENTION"
-BACKENDS = ("auto", "efficient", "softmax")
+BACKENDS = ("auto", "short", "efficient", "softmax")
+SHORT_MAX_LEN_VAR = "LS_FAIRSEQ_SHORT_ATTENTION_MAX_LEN"
+#: longest rows the short kernel can hold (csrc/short_attention.cu kMaxLen, kMaxDim)
+SHORT_LIMIT = 128
 
 # aten's custom_mask_type values for the memory-efficient kernel
 _NO_MASK = 0
@@ -68,6 +78,79 @@ def _register_fakes():
     @torch.library.register_fake("ls_fairseq::attention_bwd")
     def _(grad_out, q, k, v, probs, rng_state, dropout_p):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    if _extension.has_op("short_attention_fwd"):
+
+        @torch.library.register_fake("ls_fairseq::short_attention_fwd")
+        def _(q, k, v, key_padding_mask, causal, dropout_p, training):
+            b, h, tq, d = q.shape
+            return (
+                q.new_empty((b, tq, h, d)).transpose(1, 2),
+                q.new_empty((b, h, tq), dtype=torch.float32),
+                q.new_empty((2,), dtype=torch.long),
+            )
+
+        @torch.library.register_fake("ls_fairseq::short_attention_bwd")
+        def _(grad_out, q, k, v, out, lse, key_padding_mask, causal, rng_state, dropout_p,
+              grad_q, grad_k, grad_v):
+            return None
+
+
+def short_max_len() -> int:
+    """Longest query/key row that ``auto`` gives to the short kernel (longer rows: efficient)."""
+    raw = os.environ.get(SHORT_MAX_LEN_VAR, "").strip()
+    if not raw:
+        return SHORT_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= SHORT_LIMIT:
+        raise ValueError(f"{SHORT_MAX_LEN_VAR}={raw!r}: must be an integer in [0, {SHORT_LIMIT}] "
+                         f"(0 disables the short kernel)")
+    return value
+
+
+_device_info = {}
+
+
+def _sm_and_smem(device):
+    """(compute capability major, max opt-in shared memory per block) of a device, cached."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _device_info:
+        props = torch.cuda.get_device_properties(index)
+        _device_info[index] = (props.major, props.shared_memory_per_block_optin)
+    return _device_info[index]
+
+
+def _short_smem_bytes(tq: int, tk: int, d: int, elem: int) -> int:
+    """Shared memory of the short backward kernel (the larger of the two): mirrors smem_layout()
+    in csrc/short_attention.cu."""
+    up16 = lambda x: (x + 15) // 16 * 16  # noqa: E731
+    up128 = lambda x: (x + 127) // 128 * 128  # noqa: E731
+    tq_, tk_, ldh = up16(tq), up16(tk), d + 8
+    warps = 8 if (tq_ > 32 or tk_ > 32) else 4
+    return (up128(tq_ * ldh * elem) * 3 + up128(tk_ * ldh * elem) * 2 + up128(tq_ * (tk_ + 4) * 4)
+            + up128(warps * 16 * 20 * 4) + up128(2 * tq_ * 4))
+
+
+def _aligned_view(x) -> bool:
+    return (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1])
+            and x.data_ptr() % 16 == 0)
+
+
+def short_supported(q, k, v, max_len: int = SHORT_LIMIT) -> bool:
+    """True when the short kernel can run this problem exactly as specified."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
+        return False
+    d, tq, tk = q.size(-1), q.size(-2), k.size(-2)
+    if not (v.size(-1) == d and d % 16 == 0 and 16 <= d <= 128 and 1 <= tq <= max_len
+            and 1 <= tk <= max_len and q.size(0) * q.size(1) < 2**31):
+        return False
+    if not all(_aligned_view(x) for x in (q, k, v)):
+        return False
+    major, smem = _sm_and_smem(q.device)
+    return major >= 8 and _short_smem_bytes(tq, tk, d, q.element_size()) <= smem
 
 
 def efficient_supported(q, k, v, causal: bool) -> bool:
@@ -112,7 +195,10 @@ def _pick(backend, q, k, v, causal) -> str:
     choice = backend_setting() if backend is None else backend
     if choice not in BACKENDS:
         raise ValueError(f"attention backend {choice!r} is not one of {', '.join(BACKENDS)}")
-    if choice in ("auto", "efficient") and efficient_supported(q, k, v, causal):
+    if choice in ("auto", "short") and _extension.has_op("short_attention_fwd"):
+        if short_supported(q, k, v, short_max_len() if choice == "auto" else SHORT_LIMIT):
+            return "short"
+    if choice != "softmax" and efficient_supported(q, k, v, causal):
         return "efficient"
     return "softmax"
 
@@ -212,6 +298,72 @@ class _EfficientPackedSelfAttention(torch.autograd.Function):
         return dqkv, None, None, None, None
 
 
+def _bhtd_grads(like_q, like_k):
+    """Fresh dq/dk/dv as [B, H, T, D] views of [B, T, H, D] memory (the kernel's aligned layout)."""
+    b, h, tq, d = like_q.shape
+    tk = like_k.size(2)
+    dq = like_q.new_empty((b, tq, h, d)).transpose(1, 2)
+    dk = like_q.new_empty((b, tk, h, d)).transpose(1, 2)
+    dv = like_q.new_empty((b, tk, h, d)).transpose(1, 2)
+    return dq, dk, dv
+
+
+def _grad_for_kernel(grad):
+    return grad if _aligned_view(grad) else grad.contiguous()
+
+
+class _ShortAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, causal, dropout_p):
+        out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(
+            q, k, v, key_padding_mask, causal, dropout_p, dropout_p > 0.0
+        )
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, key_padding_mask, out, lse, rng)
+        ctx.causal, ctx.dropout_p = causal, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, kpm, out, lse, rng = ctx.saved_tensors
+        dq, dk, dv = _bhtd_grads(q, k)
+        torch.ops.ls_fairseq.short_attention_bwd(
+            _grad_for_kernel(grad), q, k, v, out, lse, kpm, ctx.causal, rng, ctx.dropout_p, dq, dk, dv
+        )
+        return dq, dk, dv, None, None, None
+
+
+class _ShortPackedSelfAttention(torch.autograd.Function):
+    """Self-attention from the packed projection qkv [B, T, 3, H, D]; backward writes dq/dk/dv
+    straight into one [B, T, 3, H, D] buffer, which is d(qkv)."""
+
+    @staticmethod
+    def forward(ctx, qkv, key_padding_mask, causal, dropout_p):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(
+            q, k, v, key_padding_mask, causal, dropout_p, dropout_p > 0.0
+        )
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(qkv, key_padding_mask, out, lse, rng)
+        ctx.causal, ctx.dropout_p = causal, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, kpm, out, lse, rng = ctx.saved_tensors
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
+        torch.ops.ls_fairseq.short_attention_bwd(
+            _grad_for_kernel(grad), q, k, v, out, lse, kpm, ctx.causal, rng, ctx.dropout_p, dq, dk, dv
+        )
+        return dqkv, None, None, None
+
+
+def _short_mask(key_padding_mask):
+    return None if key_padding_mask is None else key_padding_mask.contiguous()
+
+
 def attention_cuda_packed(
     qkv, key_padding_mask=None, causal: bool = False, dropout_p: float = 0.0,
     training: bool = False, backend=None,
@@ -226,7 +378,12 @@ def attention_cuda_packed(
     if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
         key_padding_mask = key_padding_mask.to(torch.bool)
     causal = bool(causal)
-    if qkv.stride(-1) != 1 or _pick(backend, q, k, v, causal) != "efficient":
+    choice = _pick(backend, q, k, v, causal) if qkv.stride(-1) == 1 else "softmax"
+    if choice == "short":
+        _register_fakes()
+        p = float(dropout_p) if training else 0.0
+        return _ShortPackedSelfAttention.apply(qkv, _short_mask(key_padding_mask), causal, p)
+    if choice != "efficient":
         return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training, backend)
     t = qkv.size(1)
     bias = None
@@ -245,14 +402,18 @@ def attention_cuda(
 
     Same contract as ``ls_fairseq.ops.attention.attention_reference`` (without ``need_weights``).
     ``backend``: None (from ``LS_FAIRSEQ_ATTENTION``, default ``auto``), ``"auto"``,
-    ``"efficient"`` or ``"softmax"``; an ``efficient`` request that the kernel cannot serve
-    runs ``softmax``."""
+    ``"short"``, ``"efficient"`` or ``"softmax"``; a request the kernel cannot serve runs the
+    next backend of short -> efficient -> softmax that can."""
     _validate(q, k, v, key_padding_mask)
     if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
         key_padding_mask = key_padding_mask.to(torch.bool)
     p = float(dropout_p) if training else 0.0
     causal = bool(causal)
-    if _pick(backend, q, k, v, causal) == "efficient":
+    choice = _pick(backend, q, k, v, causal)
+    if choice == "short":
+        _register_fakes()
+        return _ShortAttention.apply(q, k, v, _short_mask(key_padding_mask), causal, p)
+    if choice == "efficient":
         tq, tk = q.size(-2), k.size(-2)
         bias = None
         if key_padding_mask is not None:

@@ -1,7 +1,10 @@
-"""GPU tests of the CUDA attention (ls_fairseq/ops/_attention_cuda.py, csrc/attention.cu).
+"""GPU tests of the CUDA attention (ls_fairseq/ops/_attention_cuda.py, csrc/attention.cu,
+csrc/short_attention.cu).
 
-Both backends (``efficient``: PyTorch's memory-efficient fused kernel; ``softmax``: cuBLAS GEMMs
-around the fused softmax kernel of csrc/attention.cu) are checked against
+All three backends (``short``: our single-tile kernel for rows of <= 128, which hands longer rows,
+fp32 and odd head sizes to the next backend; ``efficient``: PyTorch's memory-efficient fused
+kernel; ``softmax``: cuBLAS GEMMs around the fused softmax kernel of csrc/attention.cu; the short
+kernel's exact dropout mask is tested in test_short_attention_cuda.py) are checked against
 ``ops.attention_reference`` and against fairseq's ``MultiheadAttention`` with the same weights,
 forward and backward, fp16/bf16/fp32, rows of 1..1500 keys.
 
@@ -25,7 +28,7 @@ from ls_fairseq.ops.attention import attention, attention_reference
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ["efficient", "softmax"]
+BACKENDS = ["short", "efficient", "softmax"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 EPS = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
 # every row-length bucket of the softmax kernel (<=32, 64, 128, 256, 512, 1024, longer) on both
@@ -328,7 +331,9 @@ def _masked_reference(q, k, v, kpm, causal, keep, p):
 
 
 @pytest.mark.parametrize(
-    "backend,tq,tk", [("efficient", 64, 64), ("softmax", 64, 64), ("softmax", 37, 37), ("softmax", 5, 1100)]
+    "backend,tq,tk",
+    [("short", 64, 64), ("short", 33, 64), ("efficient", 64, 64), ("softmax", 64, 64), ("softmax", 37, 37),
+     ("softmax", 5, 1100)],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
@@ -346,6 +351,8 @@ def test_dropout_mask_consistent(backend, tq, tk, dtype, causal):
     grad = torch.randn(b, h, tq, tk, generator=g).to(DEV, dtype)
     from ls_fairseq.ops import _attention_cuda as ac
 
+    if backend == "short" and dtype == torch.float32:
+        pytest.skip("the short kernel takes fp16/bf16 only; fp32 runs the efficient rows above")
     assert ac._pick(backend, q, k, v, causal) == backend
     torch.manual_seed(123)
     out = _cuda_attn(q, k, v, kpm, causal, dropout_p=p, training=True, backend=backend)
@@ -404,6 +411,8 @@ def test_dispatch_uses_cuda_and_env(monkeypatch):
     torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)
     from ls_fairseq.ops import _attention_cuda as ac
 
+    assert ac._pick(None, q, k, v, causal) == "short"  # auto, fp16 rows of 50
+    assert ac._pick(None, q.float(), k.float(), v.float(), causal) == "efficient"
     monkeypatch.setenv(ac.ENV_VAR, "softmax")
     assert ac._pick(None, q, k, v, causal) == "softmax"
     monkeypatch.setenv(ac.ENV_VAR, "efficient")
@@ -468,7 +477,7 @@ def test_packed_self_attention_matches_views():
             leaves, kpm, _, grad = _problem("enc", 45, dtype, b=3, h=4, seed=11)
             ref = _run(lambda q, k, v: _cuda_attn(q, k, v, kpm, causal, backend="efficient"), leaves, grad)
             leaves[0].grad = None
-            out = attention_cuda_packed(leaves[0], kpm, causal)
+            out = attention_cuda_packed(leaves[0], kpm, causal, backend="efficient")
             out.backward(grad)
             torch.testing.assert_close(out, ref[0], atol=0, rtol=0)
             # same kernel; only the order of atomic accumulations in dq may differ
