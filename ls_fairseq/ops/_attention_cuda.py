@@ -1,10 +1,13 @@
 """CUDA attention for ``ls_fairseq.ops.attention``: three backends behind ``attention_cuda``.
 
-* ``short``: our single-tile kernel (``csrc/short_attention.cu``) for rows of at most 128 queries
-  and keys, head size a multiple of 16 up to 128, fp16/bf16, sm_80+: one thread block per
-  (batch, head) keeps q/k/v and the scores in shared memory and runs scores, softmax, dropout and
-  both GEMMs (five in backward) on tensor cores in one launch. WMT batches are almost all such
-  rows, where the general kernels below spend their time on mostly-padding tiles.
+* ``short`` (opt-in, ``LS_FAIRSEQ_ATTENTION=short``): our single-tile kernel
+  (``csrc/short_attention.cu``) for rows of at most 128 queries and keys, head size a multiple of
+  16 up to 128, fp16/bf16, sm_80+: one thread block per (batch, head) keeps q/k/v and the scores
+  in shared memory and runs scores, softmax, dropout and both GEMMs (five in backward) on tensor
+  cores in one launch. Not chosen by ``auto`` yet: per shape it is faster than ``efficient`` at 32
+  and 80 keys but slower at 64 and 128 (docs/PERFORMANCE.md, session 11), end to end it did not
+  beat ``efficient``, and one whole-model fp16 gradient check (tests/gpu/test_model_cuda.py,
+  pre-LN, head size 16) is off by more than the tolerance with it, unexplained so far.
 * ``efficient``: PyTorch's memory-efficient fused attention kernel (the CUTLASS kernel behind
   ``SDPBackend.EFFICIENT_ATTENTION``), called through ``aten::_efficient_attention_forward`` /
   ``_backward`` so that causal masking (bottom-right aligned, no mask tensor) and key padding (an
@@ -19,9 +22,8 @@
   Handles every head size and row length (a template family over row-length buckets up to 1024
   keys, a streaming kernel beyond).
 
-The default (``LS_FAIRSEQ_ATTENTION=auto``, or ``backend=None``) picks ``short`` where it applies
-(and the rows are at most ``LS_FAIRSEQ_SHORT_ATTENTION_MAX_LEN``, default 128, keys/queries long),
-else ``efficient`` wherever it applies and ``softmax`` otherwise (head sizes the fused kernel cannot take, causal masks with more
+The default (``LS_FAIRSEQ_ATTENTION=auto``, or ``backend=None``) picks ``efficient`` wherever it
+applies and ``softmax`` otherwise (head sizes the fused kernel cannot take, causal masks with more
 queries than keys, empty sequences). Measured on H100 (docs/PERFORMANCE.md, "Attention (issue
 4)"): on the strided q/k/v the modules produce, ``efficient`` is faster in GPU and wall time at
 every shape up to 256 keys, within ~10 % beyond, with O(T) instead of O(T^2) memory and no
@@ -40,7 +42,6 @@ from . import _extension
 
 ENV_VAR = "LS_FAIRSEQ_ATTENTION"
 BACKENDS = ("auto", "short", "efficient", "softmax")
-SHORT_MAX_LEN_VAR = "LS_FAIRSEQ_SHORT_ATTENTION_MAX_LEN"
 #: longest rows the short kernel can hold (csrc/short_attention.cu kMaxLen, kMaxDim)
 SHORT_LIMIT = 128
 
@@ -96,21 +97,6 @@ def _register_fakes():
             return None
 
 
-def short_max_len() -> int:
-    """Longest query/key row that ``auto`` gives to the short kernel (longer rows: efficient)."""
-    raw = os.environ.get(SHORT_MAX_LEN_VAR, "").strip()
-    if not raw:
-        return SHORT_LIMIT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= SHORT_LIMIT:
-        raise ValueError(f"{SHORT_MAX_LEN_VAR}={raw!r}: must be an integer in [0, {SHORT_LIMIT}] "
-                         f"(0 disables the short kernel)")
-    return value
-
-
 _device_info = {}
 
 
@@ -139,13 +125,13 @@ def _aligned_view(x) -> bool:
             and x.data_ptr() % 16 == 0)
 
 
-def short_supported(q, k, v, max_len: int = SHORT_LIMIT) -> bool:
+def short_supported(q, k, v) -> bool:
     """True when the short kernel can run this problem exactly as specified."""
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
         return False
     d, tq, tk = q.size(-1), q.size(-2), k.size(-2)
-    if not (v.size(-1) == d and d % 16 == 0 and 16 <= d <= 128 and 1 <= tq <= max_len
-            and 1 <= tk <= max_len and q.size(0) * q.size(1) < 2**31):
+    if not (v.size(-1) == d and d % 16 == 0 and 16 <= d <= 128 and 1 <= tq <= SHORT_LIMIT
+            and 1 <= tk <= SHORT_LIMIT and q.size(0) * q.size(1) < 2**31):
         return False
     if not all(_aligned_view(x) for x in (q, k, v)):
         return False
@@ -195,9 +181,8 @@ def _pick(backend, q, k, v, causal) -> str:
     choice = backend_setting() if backend is None else backend
     if choice not in BACKENDS:
         raise ValueError(f"attention backend {choice!r} is not one of {', '.join(BACKENDS)}")
-    if choice in ("auto", "short") and _extension.has_op("short_attention_fwd"):
-        if short_supported(q, k, v, short_max_len() if choice == "auto" else SHORT_LIMIT):
-            return "short"
+    if choice == "short" and _extension.has_op("short_attention_fwd") and short_supported(q, k, v):
+        return "short"
     if choice != "softmax" and efficient_supported(q, k, v, causal):
         return "efficient"
     return "softmax"

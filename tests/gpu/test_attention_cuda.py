@@ -1,8 +1,8 @@
 """GPU tests of the CUDA attention (ls_fairseq/ops/_attention_cuda.py, csrc/attention.cu,
 csrc/short_attention.cu).
 
-All three backends (``short``: our single-tile kernel for rows of <= 128, which hands longer rows,
-fp32 and odd head sizes to the next backend; ``efficient``: PyTorch's memory-efficient fused
+All three backends (``short``: our opt-in single-tile kernel for rows of <= 128, which hands
+longer rows, fp32 and odd head sizes to the next backend; ``efficient``: PyTorch's memory-efficient fused
 kernel; ``softmax``: cuBLAS GEMMs around the fused softmax kernel of csrc/attention.cu; the short
 kernel's exact dropout mask is tested in test_short_attention_cuda.py) are checked against
 ``ops.attention_reference`` and against fairseq's ``MultiheadAttention`` with the same weights,
@@ -411,8 +411,9 @@ def test_dispatch_uses_cuda_and_env(monkeypatch):
     torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)
     from ls_fairseq.ops import _attention_cuda as ac
 
-    assert ac._pick(None, q, k, v, causal) == "short"  # auto, fp16 rows of 50
-    assert ac._pick(None, q.float(), k.float(), v.float(), causal) == "efficient"
+    assert ac._pick(None, q, k, v, causal) == "efficient"  # auto
+    monkeypatch.setenv(ac.ENV_VAR, "short")
+    assert ac._pick(None, q, k, v, causal) == "short"
     monkeypatch.setenv(ac.ENV_VAR, "softmax")
     assert ac._pick(None, q, k, v, causal) == "softmax"
     monkeypatch.setenv(ac.ENV_VAR, "efficient")

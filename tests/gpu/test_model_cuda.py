@@ -81,6 +81,30 @@ def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, shape):
     on outputs, 4x on gradients (reduction orders differ inside fused backward kernels), plus
     1e-3 / 1e-2 absolute slack for tensors where fairseq's own fp16 error happens to be tiny.
     A real defect (wrong mask, scale, missing term) gives errors of order 1 and fails."""
+    _check_model(dictionary, name, dtype, shape)
+
+
+# The opt-in "short" attention kernel (LS_FAIRSEQ_ATTENTION=short) through the whole model. It
+# matches float64 per op (test_short_attention_cuda.py), yet one case here is off by ~13x
+# fairseq's own fp16 error (encoder.layers.0.self_attn.v_proj.weight: 0.035 vs 0.0026, session
+# 11); the cause is not known, which is why auto does not pick the kernel. strict xfail: when it
+# starts passing, this test says so.
+_SHORT_KNOWN_BAD = {("pre_ln_t2t", (8, 37, 29))}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("shape", [(8, 37, 29), (3, 1, 5), (16, 130, 7)])
+def test_model_with_short_attention(dictionary, name, shape, monkeypatch, request):
+    from ls_fairseq.ops import _attention_cuda as ac
+
+    monkeypatch.setenv(ac.ENV_VAR, "short")
+    if (name, shape) in _SHORT_KNOWN_BAD:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="unexplained fp16 gradient error "
+                                              "with the short attention kernel (see comment)"))
+    _check_model(dictionary, name, torch.float16, shape)
+
+
+def _check_model(dictionary, name, dtype, shape):
     arch, extra = CONFIGS[name]
     ref, ls = build_pair(arch, dictionary, extra, seed=11)
     ls.load_state_dict(ref.state_dict())
@@ -101,8 +125,10 @@ def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, shape):
         assert worst[1] <= 1e-3, worst
     else:
         assert rel(ls_out, truth_out) <= 2 * rel(ref_out, truth_out) + 1e-3
-        for key, err in ls_grad.items():
-            assert err <= 4 * ref_grad[key] + 1e-2, (key, err, ref_grad[key])
+        excess = sorted(((err / (4 * ref_grad[key] + 1e-2), key, err, ref_grad[key])
+                         for key, err in ls_grad.items()), reverse=True)
+        assert excess[0][0] <= 1, ("gradient error over tolerance (ratio, name, ls_ err, fairseq "
+                                   "err), worst first", excess[:5])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

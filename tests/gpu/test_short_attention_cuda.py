@@ -15,6 +15,7 @@ rounding (fp16 2e-3, bf16 1.6e-2).
 Also covered here: every length 1..128 in steps that cross each 16-row tile edge, head sizes 16,
 64 and 128, cross attention (Tq != Tk, causal with Tq > Tk), fully padded sequences, p = 1,
 packed (d(qkv) in place) == views, bitwise determinism, the routing rules and input errors.
+The whole-model check with this backend is in test_model_cuda.py.
 """
 import math
 import subprocess
@@ -221,6 +222,8 @@ def test_packed_equals_views_and_deterministic():
 
 
 def test_routing():
+    """short runs only on request (auto keeps efficient, see _attention_cuda's docstring); a request
+    it cannot serve falls to efficient, then softmax."""
     from ls_fairseq.ops import _attention_cuda as ac
 
     def qkv(t, d=64, dtype=torch.float16, tk=None):
@@ -228,28 +231,14 @@ def test_routing():
         k = torch.randn(2, 4, tk or t, d, device=DEV, dtype=dtype)
         return q, k, k
 
-    assert ac._pick("auto", *qkv(100), False) == "short"
-    assert ac._pick("auto", *qkv(129), False) == "efficient"  # longer rows: efficient
-    assert ac._pick("auto", *qkv(50, d=72), False) == "efficient"  # head size not a multiple of 16
-    assert ac._pick("auto", *qkv(50, dtype=torch.float32), False) == "efficient"
+    assert ac._pick("auto", *qkv(100), False) == "efficient"
+    assert ac._pick("short", *qkv(100), False) == "short"
+    assert ac._pick("short", *qkv(129), False) == "efficient"  # longer rows
+    assert ac._pick("short", *qkv(50, d=72), False) == "efficient"  # head size not a multiple of 16
+    assert ac._pick("short", *qkv(50, dtype=torch.float32), False) == "efficient"
     assert ac._pick("short", *qkv(50, d=20), False) == "softmax"  # neither fused kernel applies
     q, k, v = qkv(50)
-    assert ac._pick("auto", q[..., 1:17], k[..., 1:17], v[..., 1:17], False) != "short"  # unaligned
-    assert ac._pick("softmax", q, k, v, False) == "softmax"
-
-
-def test_max_len_setting(monkeypatch):
-    from ls_fairseq.ops import _attention_cuda as ac
-
-    q = torch.randn(2, 4, 40, 64, device=DEV, dtype=torch.float16)
-    monkeypatch.setenv(ac.SHORT_MAX_LEN_VAR, "32")
-    assert ac._pick("auto", q, q, q, False) == "efficient"
-    assert ac._pick("short", q, q, q, False) == "short"  # an explicit request ignores the setting
-    monkeypatch.setenv(ac.SHORT_MAX_LEN_VAR, "0")
-    assert ac._pick(None, q, q, q, False) == "efficient"
-    monkeypatch.setenv(ac.SHORT_MAX_LEN_VAR, "500")
-    with pytest.raises(ValueError, match=ac.SHORT_MAX_LEN_VAR):
-        ac._pick("auto", q, q, q, False)
+    assert ac._pick("short", q[..., 1:17], k[..., 1:17], v[..., 1:17], False) != "short"  # unaligned
 
 
 INPUT_CHECKS = r"""
