@@ -213,11 +213,6 @@ __device__ __forceinline__ bool visible(const Shape& g, bool real, bool causal, 
   return real && !(causal && j > i + g.Tk - g.Tq);
 }
 
-struct Dropout {
-  DropoutArgs args;
-  uint64_t seed, offset;
-};
-
 // ---------------------------------------------------------------- forward
 template <typename T>
 __global__ void __launch_bounds__(256) short_attention_fwd_kernel(
