@@ -297,25 +297,37 @@ def _grad_for_kernel(grad):
     return grad if _aligned_view(grad) else grad.contiguous()
 
 
+def _short_forward(ctx, q, k, v, key_padding_mask, causal, dropout_p):
+    """The forward op; keeps what both autograd nodes' backward needs on ctx."""
+    out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(
+        q, k, v, key_padding_mask, causal, dropout_p, dropout_p > 0.0
+    )
+    ctx.causal, ctx.dropout_p = causal, dropout_p
+    return out, lse, rng
+
+
+def _short_backward(ctx, grad, q, k, v, key_padding_mask, out, lse, rng, grads):
+    """The backward op, writing dq/dk/dv into ``grads``."""
+    torch.ops.ls_fairseq.short_attention_bwd(
+        _grad_for_kernel(grad), q, k, v, out, lse, key_padding_mask, ctx.causal, rng,
+        ctx.dropout_p, *grads,
+    )
+
+
 class _ShortAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, causal, dropout_p):
-        out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(
-            q, k, v, key_padding_mask, causal, dropout_p, dropout_p > 0.0
-        )
+        out, lse, rng = _short_forward(ctx, q, k, v, key_padding_mask, causal, dropout_p)
         if any(ctx.needs_input_grad[:3]):
             ctx.save_for_backward(q, k, v, key_padding_mask, out, lse, rng)
-        ctx.causal, ctx.dropout_p = causal, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, kpm, out, lse, rng = ctx.saved_tensors
-        dq, dk, dv = _bhtd_grads(q, k)
-        torch.ops.ls_fairseq.short_attention_bwd(
-            _grad_for_kernel(grad), q, k, v, out, lse, kpm, ctx.causal, rng, ctx.dropout_p, dq, dk, dv
-        )
-        return dq, dk, dv, None, None, None
+        grads = _bhtd_grads(q, k)
+        _short_backward(ctx, grad, q, k, v, kpm, out, lse, rng, grads)
+        return (*grads, None, None, None)
 
 
 class _ShortPackedSelfAttention(torch.autograd.Function):
@@ -324,24 +336,18 @@ class _ShortPackedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, key_padding_mask, causal, dropout_p):
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(
-            q, k, v, key_padding_mask, causal, dropout_p, dropout_p > 0.0
-        )
+        out, lse, rng = _short_forward(ctx, *qkv.permute(2, 0, 3, 1, 4), key_padding_mask, causal,
+                                       dropout_p)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(qkv, key_padding_mask, out, lse, rng)
-        ctx.causal, ctx.dropout_p = causal, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad):
         qkv, kpm, out, lse, rng = ctx.saved_tensors
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
-        torch.ops.ls_fairseq.short_attention_bwd(
-            _grad_for_kernel(grad), q, k, v, out, lse, kpm, ctx.causal, rng, ctx.dropout_p, dq, dk, dv
-        )
+        _short_backward(ctx, grad, *qkv.permute(2, 0, 3, 1, 4), kpm, out, lse, rng,
+                        dqkv.permute(2, 0, 3, 1, 4))
         return dqkv, None, None, None
 
 
@@ -363,10 +369,10 @@ def attention_cuda_packed(
     if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
         key_padding_mask = key_padding_mask.to(torch.bool)
     causal = bool(causal)
+    p = float(dropout_p) if training else 0.0
     choice = _pick(backend, q, k, v, causal) if qkv.stride(-1) == 1 else "softmax"
     if choice == "short":
         _register_fakes()
-        p = float(dropout_p) if training else 0.0
         return _ShortPackedSelfAttention.apply(qkv, _short_mask(key_padding_mask), causal, p)
     if choice != "efficient":
         return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training, backend)
@@ -375,7 +381,6 @@ def attention_cuda_packed(
     if key_padding_mask is not None:
         bias = _padding_bias(key_padding_mask, qkv.size(3), t, qkv.dtype)
     mask_type = _CAUSAL_BOTTOM_RIGHT if (causal and t > 1) else _NO_MASK
-    p = float(dropout_p) if training else 0.0
     return _EfficientPackedSelfAttention.apply(qkv, bias, mask_type, p, qkv.size(-1) ** -0.5)
 
 
