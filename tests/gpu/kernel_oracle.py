@@ -1,6 +1,7 @@
-"""Shared oracles of the elementwise-kernel GPU tests: the Philox4x32-10 dropout mask the
-kernels draw (rebuilt independently in PyTorch, checked against Random123's known answers in
-tests/test_philox_oracle.py) and the closeness checks against float64 truths."""
+"""Shared oracles of the kernel GPU tests: the Philox4x32-10 dropout mask the kernels draw
+(rebuilt independently in PyTorch, checked against Random123's known answers in
+tests/test_philox_oracle.py), attention with a given keep mask, and the closeness checks against
+float64 truths."""
 import math
 
 import torch
@@ -63,3 +64,33 @@ def norm_close(ours, truth, tol, what, terms=None):
     if terms is not None:
         scale += 0.01 * terms.abs().sum(0).norm().item()
     assert err <= tol * scale, f"{what}: relative error {err / scale:.3g}"
+
+
+def attention_with_keep(q, k, v, hidden, keep, p):
+    """Attention with an explicit dropout keep mask, in q's dtype: fp32 softmax statistics,
+    probabilities rounded to the dtype before P.V (as fairseq). ``hidden`` [B, 1|H, Tq, Tk] bool
+    (True: key hidden from query) or None; ``keep`` like the probabilities, or None (no dropout)."""
+    scores = torch.matmul(q * (q.size(-1) ** -0.5), k.transpose(-1, -2))
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), -1)
+    if hidden is not None:
+        probs = probs.masked_fill(hidden.all(-1, keepdim=True), 0.0)
+    probs = probs.to(q.dtype)
+    if keep is not None:
+        probs = probs * keep.to(q.dtype) / (1 - p) if p < 1 else torch.zeros_like(probs)
+    return torch.matmul(probs, v)
+
+
+def within_reference(name, got, truth, base, eps):
+    """|got - truth| <= 2 |base - truth| + eps * max(max|truth|, 1), all finite: ``base`` is the
+    same math in the low precision, ``eps`` one unit of the dtype's rounding."""
+    got, truth, base = got.double(), truth.double(), base.double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    if got.numel() == 0:
+        return
+    err = (got - truth).abs().max().item()
+    err_base = (base - truth).abs().max().item()
+    scale = truth.abs().max().item()
+    tol = 2 * err_base + eps * max(scale, 1.0)
+    assert err <= tol, f"{name}: max err {err:.3g} > tol {tol:.3g} (reference err {err_base:.3g}, max {scale:.3g})"

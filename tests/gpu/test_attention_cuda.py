@@ -23,8 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_oracle import attention_with_keep, within_reference
 from ls_fairseq.ops import _extension
-from ls_fairseq.ops.attention import attention, attention_reference
+from ls_fairseq.ops.attention import _mask, attention, attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -53,13 +54,7 @@ def _cuda_attn(*args, backend, **kw):
 
 def _check(name, got, truth, base, dtype):
     """|got - truth| <= 2 |base - truth| + eps * max|truth| (see module docstring)."""
-    got, truth, base = got.double(), truth.double(), base.double()
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got - truth).abs().max().item()
-    err_base = (base - truth).abs().max().item()
-    scale = truth.abs().max().item()
-    tol = 2 * err_base + EPS[dtype] * max(scale, 1.0)
-    assert err <= tol, f"{name}: max err {err:.3g} > tol {tol:.3g} (reference err {err_base:.3g}, max {scale:.3g})"
+    within_reference(name, got, truth, base, EPS[dtype])
 
 
 def _padding(b, t, left, min_len=1, gen=None):
@@ -319,15 +314,7 @@ def test_incremental_cross_attention_with_padding(backend, dtype):
 
 def _masked_reference(q, k, v, kpm, causal, keep, p):
     """The reference with a given dropout keep-mask (so CUDA's own mask can be checked exactly)."""
-    qs = q * (q.size(-1) ** -0.5)
-    scores = torch.matmul(qs, k.transpose(-1, -2))
-    tq, tk = q.size(-2), k.size(-2)
-    mask = kpm[:, None, None, :]
-    if causal:
-        mask = mask | torch.ones(tq, tk, dtype=torch.bool, device=DEV).triu(tk - tq + 1)
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), -1)
-    probs = probs.masked_fill(mask.all(-1, keepdim=True), 0.0).type_as(scores)
-    return torch.matmul(probs * keep.to(probs.dtype) / (1 - p), v)
+    return attention_with_keep(q, k, v, _mask(kpm, causal, q.size(-2), k.size(-2), DEV), keep, p)
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,9 @@ import sys
 import pytest
 import torch
 
-from kernel_oracle import philox_keep
+from kernel_oracle import attention_with_keep, philox_keep, within_reference
 from ls_fairseq.ops import _extension
+from ls_fairseq.ops.attention import _mask
 
 pytestmark = pytest.mark.gpu
 
@@ -42,38 +43,6 @@ def _kernels():
     assert _extension.has_op("short_attention_fwd"), "short attention op not registered"
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("the short kernel needs sm_80+")
-
-
-def _check(name, got, truth, base, dtype):
-    got, truth, base = got.double(), truth.double(), base.double()
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = (got - truth).abs().max().item() if got.numel() else 0.0
-    err_base = (base - truth).abs().max().item() if got.numel() else 0.0
-    scale = truth.abs().max().item() if got.numel() else 0.0
-    tol = 2 * err_base + EPS[dtype] * max(scale, 1.0)
-    assert err <= tol, f"{name}: max err {err:.3g} > tol {tol:.3g} (base err {err_base:.3g}, max {scale:.3g})"
-
-
-def _hidden(kpm, causal, tq, tk):
-    """[B, 1, Tq, Tk] bool: key hidden from query."""
-    hid = torch.zeros(1, 1, tq, tk, dtype=torch.bool, device=DEV)
-    if kpm is not None:
-        hid = hid | kpm[:, None, None, :]
-    if causal:
-        hid = hid | torch.ones(tq, tk, dtype=torch.bool, device=DEV).triu(tk - tq + 1)
-    return hid
-
-
-def _reference(q, k, v, hidden, keep, p):
-    """Attention with an explicit keep mask, in q's dtype (fp32 softmax statistics, probabilities
-    rounded to the dtype before P.V, as fairseq)."""
-    scores = torch.matmul(q * (q.size(-1) ** -0.5), k.transpose(-1, -2))
-    scores = scores.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), -1)
-    probs = probs.masked_fill(hidden.all(-1, keepdim=True), 0.0).to(q.dtype)
-    if keep is not None:
-        probs = probs * keep.to(q.dtype) * (1.0 / (1.0 - p) if p < 1 else 0.0)
-    return torch.matmul(probs, v)
 
 
 def _leaves(b, h, tq, tk, d, dtype, gen, packed):
@@ -122,15 +91,16 @@ def _run_case(b, h, tq, tk, d, dtype, causal, p, seed, packed=None, pad="random"
         torch.manual_seed(seed)
         _, _, rng = torch.ops.ls_fairseq.short_attention_fwd(q, k, v, kpm, causal, p, True)
         keep = philox_keep(rng, b * h * tq, tk, p).view(b, h, tq, tk)
-    hidden = _hidden(kpm, causal, tq, tk)
-    base_out = _reference(q, k, v, hidden, keep, p)
+    hidden = _mask(kpm, causal, tq, tk, DEV)
+    base_out = attention_with_keep(q, k, v, hidden, keep, p)
     base = _grads(base_out, leaves, grad)
     l64 = [x.detach().double().requires_grad_() for x in leaves]
-    t_out = _reference(*_views(l64), hidden, keep, p)
+    t_out = attention_with_keep(*_views(l64), hidden, keep, p)
     truth = _grads(t_out, l64, grad.double())
     names = ["out"] + [f"grad{i}" for i in range(len(leaves))]
     for name, a, t, c in zip(names, got, truth, base):
-        _check(f"B={b} H={h} Tq={tq} Tk={tk} D={d} causal={causal} p={p} {name}", a, t, c, dtype)
+        within_reference(f"B={b} H={h} Tq={tq} Tk={tk} D={d} causal={causal} p={p} {name}", a, t, c,
+                         EPS[dtype])
     return got, keep, kpm
 
 
