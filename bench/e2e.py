@@ -62,6 +62,11 @@ VARIANTS = {
 
 VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"]["flags"] + [
     "--ls-deferred-overflow-check"])
+# several GPUs only: the gradient all-reduce after the backward instead of during it (on one
+# GPU the same run as ls_graphs, whose 1-GPU figure bench/multi_gpu.py reuses)
+VARIANTS["ls_graphs_after"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",
+                                   flags=VARIANTS["ls_graphs"]["flags"] + [
+                                       "--ls-all-reduce-bucket-mb", "0"])
 
 
 def make_corpus(workdir, sentences, vocab, seed=1):

@@ -216,11 +216,12 @@ def graphs_check(args, sentences=4000, updates=100):
         logs[gpus] = train(data, "ls_graphs", mt, gpus, freq, updates, d, nodrop, "legacy_ddp")
     multi, single = losses(logs[args.gpus]), losses(logs[1])
     flat = "all-reducing them in place" in logs[args.gpus]
+    overlapped = "as the backward completes them" in logs[args.gpus]
     captured = re.findall(r"captured (\d+) batch shape", logs[args.gpus])
     out = [f"ls_graphs, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq 1 vs 1 GPU x "
            f"update-freq {args.gpus}, max-tokens {mt}, dropout 0, {updates} updates, "
            f"{sentences}-pair corpus): largest loss gap {max_gap(multi, single):.4f}; flat "
-           f"all-reduce used: {'yes' if flat else 'NO'}; shapes captured (rank log, last "
+           f"all-reduce used: {'yes' if flat else 'NO'}, during the backward: {'yes' if overlapped else 'no'}; shapes captured (rank log, last "
            f"power of 2): {captured[-1] if captured else 'none'}",
            "updates: " + " ".join(str(u) for u, _ in multi),
            f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi),
@@ -323,12 +324,17 @@ def scaling(data, args):
         # each GPU sees a random half of the batches every epoch, and a graph is captured at
         # a batch's second sighting on that GPU, so N-GPU runs need more epochs to replay
         extra, updates, epochs = extra + ["--log-interval", "5"], None, args.scaling_epochs
+    single = {}  # (variant, backend, max-tokens) -> 1-GPU wps measured in this call
     for mt in args.max_tokens:
         for spec in args.scaling_variants.split(","):
             variant, backend, *own = spec.split(":")
             run_epochs = int(own[0]) if own and args.scaling_epochs else epochs
             wps = []
             for gpus in (1, args.gpus):
+                same = (e2e.VARIANTS[variant].get("single_gpu_as"), backend, mt)
+                if gpus == 1 and same in single:  # multi-GPU-only flags: the same 1-GPU run
+                    wps.append(single[same])
+                    continue
                 d = f"/tmp/mg_{variant}_{backend}_{mt}_{gpus}"
                 os.makedirs(d, exist_ok=True)
                 try:
@@ -338,6 +344,8 @@ def scaling(data, args):
                     print(f"{variant} {mt} tokens {gpus} GPU(s) FAILED: {str(e)[-500:]}", flush=True)
                     log = ""
                 wps.append(steady_wps(log))
+                if gpus == 1:
+                    single[(variant, backend, mt)] = wps[0]
             rows.append(f"| {mt} | {variant} | {backend} | {wps[0]:,.0f} | {wps[1]:,.0f} | "
                         f"{wps[1] / wps[0]:.2f}x |")
             print(rows[-1], flush=True)

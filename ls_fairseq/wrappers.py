@@ -14,3 +14,13 @@ def find_wrapper(model, types, depth=8):
         if seen is None:
             return None
     return None
+
+
+def legacy_ddp_of(module):
+    """fairseq's LegacyDistributedDataParallel (``--ddp-backend legacy_ddp``/``no_c10d``) inside
+    the trainer's model wrappers, or None (also under torch DDP)."""
+    from fairseq.distributed import LegacyDistributedDataParallel
+
+    found = find_wrapper(module, (LegacyDistributedDataParallel,
+                                  torch.nn.parallel.DistributedDataParallel))
+    return found if isinstance(found, LegacyDistributedDataParallel) else None

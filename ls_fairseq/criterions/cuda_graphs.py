@@ -32,21 +32,29 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 * Dropout stays random: the CUDA generator is graph-aware and every replay advances its offset
   (the same Philox stream an eager step would use).
 
+* Several GPUs (fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``): the captured backward adds
+  the gradients into the accumulators bucket by bucket (``grad_buckets.py``) and records an
+  external CUDA event after each bucket. At the end of the backward of an update's last
+  micro-batch (replayed or eager) the buckets are all-reduced on a side stream, each as soon as
+  its event fires, so the all-reduce runs under the rest of the backward; ls_adam's
+  ``all_reduce_grads`` then finds the buffers done (``optim/flat_all_reduce.py``).
+  ``--ls-all-reduce-bucket-mb 0`` leaves the whole all-reduce to ``all_reduce_grads``.
+
 Limits: the gradients bypass autograd's per-parameter hooks, so torch DDP (``--ddp-backend
-c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error; fairseq's
-``legacy_ddp``/``no_c10d`` all-reduce ``.grad`` after the backward and work (with ``ls_adam``, in
-place on the flat accumulators: ``optim/flat_all_reduce.py``). Graphs hold their
+c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error. Graphs hold their
 kernels' arguments and one pool of activation memory; ``max_graphs`` bounds their number (least
 recently used are dropped). Without CUDA the eager path runs (one warning).
 """
 import collections
 import contextlib
+import functools
 import logging
 import weakref
 
 import torch
 
-from ..wrappers import find_wrapper
+from .. import grad_buckets
+from ..wrappers import find_wrapper, legacy_ddp_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +66,22 @@ _ALIGN = 16
 class _Graphs:
     """The captured forward/backward pair of one batch shape and its static tensors."""
 
-    def __init__(self, static_inputs, outputs, grad_output, fwd, bwd):
+    def __init__(self, static_inputs, outputs, grad_output, fwd, bwd, ready):
         self.static_inputs = static_inputs
         self.outputs = outputs  # static output tensors of the forward graph (None kept as None)
         self.grad_output = grad_output
         self.fwd = fwd
         self.bwd = bwd
+        self.ready = ready  # per gradient bucket, the external event the backward replay records
+
+
+class _PendingReduce:
+    """The gradient all-reduce due at the end of this backward (the update's last micro-batch)."""
+
+    def __init__(self, ddp, ready):
+        self.ddp = ddp
+        self.ready = ready  # per bucket an event, or None: wait for the whole backward
+        self.queued = False
 
 
 @contextlib.contextmanager
@@ -99,6 +117,21 @@ class _ReplayBackward(torch.autograd.Function):
         return None, None, None
 
 
+class _EagerBackward(torch.autograd.Function):
+    """Marks the start of an eager step's backward: the runner queues the gradient all-reduce
+    for the end of that autograd pass."""
+
+    @staticmethod
+    def forward(ctx, runner, loss):
+        ctx.runner = runner
+        return loss.clone()  # not a view: fairseq may scale the loss in place (loss *= 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.runner._queue_reduce()
+        return None, grad
+
+
 class CudaGraphedLoss:
     """Runs ``compute(model, sample) -> (loss, *other tensors or None)`` through CUDA graphs.
 
@@ -106,8 +139,11 @@ class CudaGraphedLoss:
     outputs (``nll_loss``, accuracy counts) come back without gradient.
     """
 
-    def __init__(self, max_graphs: int = 256):
+    def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0):
+        if bucket_mb < 0:
+            raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
         self.max_graphs = max_graphs
+        self.bucket_mb = bucket_mb  # 0: no all-reduce during the backward
         self._graphs = collections.OrderedDict()  # key -> _Graphs, least recently used first
         self._sightings = collections.Counter()
         self._pool = None
@@ -118,6 +154,10 @@ class CudaGraphedLoss:
         self._alias_ptrs = None
         self._accumulators = None  # per-parameter views of flat per-dtype buffers
         self._flats = None
+        self._buckets = None  # grad_buckets.GradBuckets over the flat buffers
+        self._on_alias_grad = None  # set while a backward is being captured
+        self._reduce = None  # the pending all-reduce of this update (_PendingReduce)
+        self.reduce_bucket = None  # bucket -> work; None: fairseq's legacy reduction (tests swap it)
         self._anchor = None
         self._pending = None  # weakref to the replayed loss whose backward has not run yet
         self._warned_cpu = False
@@ -132,17 +172,19 @@ class CudaGraphedLoss:
             self.stats["eager"] += 1
             return compute(model, sample)
         self._setup(model)
+        ddp = legacy_ddp_of(model) if self.bucket_mb > 0 else None
+        sync = ddp is not None and not ddp.accumulate_grads  # an update's last micro-batch
         if self._pending is not None:
             if self._pending() is not None:  # a replayed loss still waits for its backward
-                return self._eager(model, sample, compute)
+                return self._eager(model, sample, compute, sync and ddp)
             self._pending = None
         self._check_aliases()  # drops the graphs if a parameter's storage was replaced
         graphs = self._graphs.get(key)
         if graphs is None:
             self._sightings[key] += 1
             if self._sightings[key] == 1:  # first sighting: eager (it also grows lazy tables)
-                return self._eager(model, sample, compute)
-            graphs = self._capture(model, sample, compute)
+                return self._eager(model, sample, compute, sync and ddp)
+            graphs = self._capture(model, sample, compute, record_ready=ddp is not None)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
             n = self.stats["captured"]
@@ -153,6 +195,8 @@ class CudaGraphedLoss:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
+        if sync:
+            self._expect_reduce(ddp, graphs.ready)
         return self._replay_forward(graphs, sample)
 
     # -- internals ---------------------------------------------------------------------------
@@ -182,13 +226,52 @@ class CudaGraphedLoss:
         return (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
                 tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
 
-    def _eager(self, model, sample, compute):
+    def _eager(self, model, sample, compute, sync_ddp=None):
         """An eager training step whose backward accumulates into the flat buffers, as a
         replay's does: with several GPUs every rank then all-reduces the same buffers in the
-        same calls whether its step replayed or not (``optim/flat_all_reduce.py``)."""
+        same calls whether its step replayed or not."""
         self.stats["eager"] += 1
         self._bind_accumulators()
-        return compute(model, sample)
+        out = compute(model, sample)
+        if not sync_ddp:
+            return out
+        self._expect_reduce(sync_ddp, None)
+        return (_EagerBackward.apply(self, out[0]),) + tuple(out[1:])
+
+    # -- the gradient all-reduce under legacy DDP (grad_buckets.py) -------------------------
+
+    def _expect_reduce(self, ddp, ready):
+        """This forward's backward ends the update: all-reduce the gradients at its end."""
+        if self._reduce is not None and not self._reduce.queued:
+            # a second forward before the backward: both end in one autograd pass, and the
+            # replay's events do not cover the other's gradients, so wait for the whole pass
+            self._reduce.ready = None
+            return
+        self._reduce = _PendingReduce(ddp, ready)
+
+    def _queue_reduce(self):
+        """Called when the backward starts: the all-reduce runs when the autograd pass ends
+        (every gradient of the pass is then accumulated)."""
+        if self._reduce is not None and not self._reduce.queued:
+            self._reduce.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._all_reduce)
+
+    def _all_reduce(self):
+        pending, self._reduce = self._reduce, None
+        if not all(p.grad is not None and p.grad.data_ptr() == acc.data_ptr()
+                   for p, acc in zip(self._params, self._accumulators)):
+            return  # a .grad someone else allocated: ls_adam's all_reduce_grads decides
+        ddp, buckets = pending.ddp, self._buckets
+        reduce = self.reduce_bucket or grad_buckets.legacy_reduce(ddp.world_size,
+                                                                  ddp.process_group)
+        ready = pending.ready or [None] * len(buckets.buckets)
+        buckets.issue(self._flats, ready, reduce)
+        grad_buckets.mark_all_reduced(self._flats)
+        if not self.stats["overlapped_all_reduce"]:
+            logger.info(f"--ls-cuda-graphs: all-reducing gradients in {len(buckets.buckets)} "
+                        f"buckets (--ls-all-reduce-bucket-mb {self.bucket_mb:g}) as the backward "
+                        f"completes them")
+        self.stats["overlapped_all_reduce"] += 1
 
     def _bind_accumulators(self):
         """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
@@ -198,6 +281,7 @@ class CudaGraphedLoss:
         if all(p.grad is None for p in self._params):  # fairseq's zero_grad: set to None
             for flat in self._flats:
                 flat.zero_()
+            grad_buckets.mark_all_reduced(self._flats, False)
             for p, acc in zip(self._params, self._accumulators):
                 p.grad = acc
             return foreign
@@ -220,17 +304,21 @@ class CudaGraphedLoss:
         by_dtype = collections.OrderedDict()
         for p in self._params:
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        self._flats, views = [], {}
+        self._flats, views, spans = [], {}, {}
         for (dtype, device), ps in by_dtype.items():
             offsets, total = [], 0
             for p in ps:
                 offsets.append(total)
                 total += (p.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
             flat = torch.zeros(total, dtype=dtype, device=device)
-            self._flats.append(flat)
             for p, off in zip(ps, offsets):
                 views[id(p)] = flat[off:off + p.numel()].view_as(p)
+                spans[id(p)] = (len(self._flats), off, p.numel())
+            self._flats.append(flat)
         self._accumulators = [views[id(p)] for p in self._params]
+        bucket_bytes = self.bucket_mb * 2**20 if self.bucket_mb > 0 else float("inf")
+        self._buckets = grad_buckets.GradBuckets(self._flats, [spans[id(p)] for p in self._params],
+                                                 bucket_bytes)
         self._anchor = torch.zeros((), device=self._params[0].device, requires_grad=True)
 
     def _check_aliases(self):
@@ -250,7 +338,13 @@ class CudaGraphedLoss:
             self._graphs.clear()
             self._pool = None  # a fresh memory pool for the new graphs
         self._aliases = [p.detach().requires_grad_() for p in self._params]
+        for i, a in enumerate(self._aliases):
+            a.register_hook(functools.partial(self._alias_grad, i))
         self._alias_ptrs = ptrs
+
+    def _alias_grad(self, i, grad):
+        if self._on_alias_grad is not None:  # only while a backward is being captured
+            self._on_alias_grad(i, grad)
 
     def _run(self, model, sample, compute):
         """compute(model, sample) with the parameters swapped for their aliases."""
@@ -261,14 +355,44 @@ class CudaGraphedLoss:
         keys = sorted(sample["net_input"])
         return {"net_input": dict(zip(keys, static_inputs[:-1])), "target": static_inputs[-1]}
 
-    def _grads(self, outputs, grad_output):
-        grads = torch.autograd.grad(outputs[0], self._aliases, grad_outputs=grad_output,
-                                    allow_unused=True)
-        pairs = [(a, g) for a, g in zip(self._accumulators, grads) if g is not None]
-        if pairs:
-            torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+    def _grads(self, outputs, grad_output, record_ready):
+        """The backward (being captured): each bucket's gradients are added into the
+        accumulators as soon as the last of them is computed, then (``record_ready``) an external
+        event is recorded, which each replay signals. Returns the events (or None)."""
+        buckets = self._buckets
+        left = list(buckets.sizes)
+        pairs = [[] for _ in left]
+        ready = [None] * len(left)
 
-    def _capture(self, model, sample, compute):
+        def flush(b):  # on autograd's device thread: name the stream being captured
+            with torch.cuda.stream(self._stream):
+                if pairs[b]:
+                    torch._foreach_add_([a for a, _ in pairs[b]], [g for _, g in pairs[b]])
+                if record_ready:
+                    ready[b] = torch.cuda.Event(external=True)
+                    ready[b].record(self._stream)
+            left[b] = -1
+
+        def on_grad(i, grad):
+            b = buckets.bucket_of[i]
+            if grad is not None:
+                pairs[b].append((self._accumulators[i], grad))
+            left[b] -= 1
+            if left[b] == 0:
+                flush(b)
+
+        self._on_alias_grad = on_grad
+        try:
+            torch.autograd.grad(outputs[0], self._aliases, grad_outputs=grad_output,
+                                allow_unused=True)
+        finally:
+            self._on_alias_grad = None
+        for b in range(len(left)):
+            if left[b] > 0:  # some of its parameters got no gradient in this backward
+                flush(b)
+        return ready if record_ready else None
+
+    def _capture(self, model, sample, compute, record_ready=False):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if self._stream is None:
@@ -290,7 +414,7 @@ class CudaGraphedLoss:
                 if not torch.is_tensor(outputs[0]) or outputs[0].dim() != 0:
                     raise ValueError("the criterion's loss must be a scalar tensor")
                 grad_output = torch.ones_like(outputs[0])
-                self._captured(bwd, lambda: self._grads(outputs, grad_output))
+                ready = self._captured(bwd, lambda: self._grads(outputs, grad_output, record_ready))
         except Exception as exc:
             raise RuntimeError(
                 f"--ls-cuda-graphs: capturing the training step of a batch of "
@@ -298,7 +422,7 @@ class CudaGraphedLoss:
                 f"--ls-cuda-graphs, and please report this.") from exc
         current.wait_stream(self._stream)
         static_outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
-        return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd)
+        return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd, ready)
 
     def _warm_up(self, model, sample, compute):
         """One eager step on the capture stream, its gradients dropped and its dropout draws
@@ -354,3 +478,4 @@ class CudaGraphedLoss:
         graphs.bwd.replay()
         for p, acc in foreign:
             p.grad.add_(acc)
+        self._queue_reduce()

@@ -50,6 +50,12 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
         default=256, metadata={"help": "most batch shapes kept captured by --ls-cuda-graphs "
                                "(least recently used dropped)"},
     )
+    ls_all_reduce_bucket_mb: float = field(
+        default=25.0, metadata={"help": "with --ls-cuda-graphs on several GPUs (--ddp-backend "
+                                "legacy_ddp/no_c10d): all-reduce the gradients in buckets of "
+                                "about this many MB while the backward runs (0: all at once "
+                                "after the backward)"},
+    )
 
 
 @register_criterion(
@@ -58,14 +64,15 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
-                 ls_cuda_graphs=False, ls_cuda_graphs_max=256):
+                 ls_cuda_graphs=False, ls_cuda_graphs_max=256, ls_all_reduce_bucket_mb=25.0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         if ls_cuda_graphs and ls_cuda_graphs_max < 1:
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
-        self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max) if ls_cuda_graphs else None
+        self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max,
+                                      bucket_mb=ls_all_reduce_bucket_mb) if ls_cuda_graphs else None
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]

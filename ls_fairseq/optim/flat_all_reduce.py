@@ -16,21 +16,18 @@ All ranks must take the same path: fairseq's method all-reduces packed gradients
 chunks of its buffer size), so a rank on it and a rank on the flat path could pair NCCL calls of
 different sizes. With ``--ls-cuda-graphs`` every training step, replayed or eager, accumulates
 into the flat buffers (``criterions/cuda_graphs.py``), so every rank takes the flat path.
+
+With ``--ls-cuda-graphs`` the buffers are normally all-reduced earlier, bucket by bucket during
+the backward (``grad_buckets.py``); the buffers then carry a mark, and this method only takes it
+off. Otherwise (``--ls-all-reduce-bucket-mb 0``) it does the whole reduction itself.
 """
 import torch
-from fairseq.distributed import LegacyDistributedDataParallel
 
-from ..wrappers import find_wrapper
+from .. import grad_buckets
+from ..wrappers import legacy_ddp_of
 
 # the criterion's CUDA-graph accumulators align each view to 16 elements
 _MAX_PAD = 16
-
-
-def legacy_ddp_of(module):
-    """fairseq's LegacyDistributedDataParallel inside the trainer's model wrappers, or None."""
-    found = find_wrapper(module, (LegacyDistributedDataParallel,
-                                  torch.nn.parallel.DistributedDataParallel))
-    return found if isinstance(found, LegacyDistributedDataParallel) else None
 
 
 def flat_grad_buffers(params):
@@ -71,6 +68,13 @@ def all_reduce_flat(module):
         return False
     if ddp.accumulate_grads:  # inside no_sync(): fairseq's method does nothing there either
         return True
+    reduced = [grad_buckets.all_reduced(buf) for buf in buffers]
+    if all(reduced):  # during the backward (grad_buckets.py)
+        grad_buckets.mark_all_reduced(buffers, False)
+        return True
+    if any(reduced):
+        raise RuntimeError("ls_fairseq: some flat gradient buffers were all-reduced during the "
+                           "backward and others not; please report this")
     for buf in buffers:
         buf.div_(ddp.world_size)
         torch.distributed.all_reduce(buf, group=ddp.process_group)

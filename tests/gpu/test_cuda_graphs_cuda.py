@@ -271,3 +271,140 @@ def test_every_training_step_accumulates_into_the_flat_buffers(dictionary):
     (first + second).backward()
     assert graphed.graphs.stats["eager"] == 3
     assert flat_grad_buffers(params) is not None
+
+
+class _FakeLegacyDDP:
+    """fairseq's LegacyDistributedDataParallel without a process group: the runner's bucketed
+    all-reduce reads only ``world_size``, ``process_group`` and ``accumulate_grads`` (the
+    reduction itself is swapped by the tests)."""
+
+    @staticmethod
+    def wrap(model):
+        from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
+
+        class Fake(LegacyDistributedDataParallel):
+            def __init__(self, module):
+                torch.nn.Module.__init__(self)
+                self.module, self.world_size, self.process_group = module, 1, None
+                self.accumulate_grads = False
+
+        return ModuleProxyWrapper(Fake(model))
+
+
+def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
+    """Under legacy DDP the gradients are reduced bucket by bucket on a side stream, each bucket
+    behind the event the (captured or eager) backward records when the bucket is complete. The
+    reduction is swapped for ``x *= 3``: a bucket reduced before all its gradients were added
+    would hold g instead of 3g somewhere. Eager first sightings, captures, replays, updates of
+    two micro-batches (no reduction inside no_sync) and a replay and an eager forward in one
+    backward pass; then ls_adam's all_reduce_grads must find the buffers done (reduces nothing
+    more). fp32, tolerance relative 1e-5 (graph vs eager rounding, as above)."""
+    from ls_fairseq.optim import flat_all_reduce
+
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True,
+                                                   ls_all_reduce_bucket_mb=0.02, **kwargs)
+    extra = SMALL + ["--dropout", "0"]
+    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
+    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
+    wrapped = _FakeLegacyDDP.wrap(m2)
+    ddp = wrapped.module
+    reduced = []
+
+    def times_three(bucket):
+        bucket.mul_(3)
+        reduced.append(bucket.numel())
+
+    graphed.graphs.reduce_bucket = times_three
+    updates = [[(4, 9, 7)], [(4, 9, 7)], [(4, 9, 7), (6, 5, 12)], [(6, 5, 12), (4, 9, 7)],
+               [(4, 9, 7)], [(5, 11, 13), (5, 11, 13)]]
+    for u, shapes in enumerate(updates):
+        samples = [_sample(dictionary, s, 500 + 10 * u + k) for k, s in enumerate(shapes)]
+        _, want = _step(eager, m1, samples, 1.0, seed=u)
+        for p in m2.parameters():
+            p.grad = None
+        torch.manual_seed(u)
+        for k, sample in enumerate(samples):
+            ddp.accumulate_grads = k < len(samples) - 1  # fairseq's no_sync()
+            loss, _, _ = graphed(wrapped, sample)
+            loss.backward()
+        ddp.accumulate_grads = False
+        assert flat_all_reduce.all_reduce_flat(wrapped)  # finds the buffers done
+        for k, p in m2.named_parameters():
+            assert _rel(p.grad, 3 * want[k]) <= 1e-5, (u, k, _rel(p.grad, 3 * want[k]))
+    stats = graphed.graphs.stats
+    assert stats["overlapped_all_reduce"] == len(updates)
+    assert stats["replayed"] >= 3 and stats["captured"] == 3
+    buckets = graphed.graphs._buckets.buckets
+    assert len(buckets) >= 4 and sum(reduced) == len(updates) * sum(h - lo for _, lo, h in buckets)
+    # a replayed and an eager forward ending in one backward pass: wait for the whole pass
+    for p in m2.parameters():
+        p.grad = None
+    a, b = _sample(dictionary, (4, 9, 7), 900), _sample(dictionary, (3, 8, 6), 901)
+    la, _, _ = graphed(wrapped, a)
+    lb, _, _ = graphed(wrapped, b)
+    (la + lb).backward()
+    assert flat_all_reduce.all_reduce_flat(wrapped)
+    for p in m1.parameters():
+        p.grad = None
+    (eager(m1, a)[0] + eager(m1, b)[0]).backward()
+    for (k, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert _rel(p2.grad, 3 * p1.grad) <= 1e-5, k
+
+
+def _two_gpu_worker(rank, init_file, results):
+    import torch.distributed as dist
+    from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
+
+    from ls_fairseq.optim import flat_all_reduce
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dictionary = make_dictionary(203)
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True,
+                                                   ls_all_reduce_bucket_mb=0.05, **kwargs)
+    extra = SMALL + ["--dropout", "0"]
+    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
+    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
+    wrapped = ModuleProxyWrapper(LegacyDistributedDataParallel(m2, dist.group.WORLD))
+    # the ranks see shapes in different orders, so one replays while the other runs eagerly
+    shapes = {0: [(4, 9, 7), (4, 9, 7), (6, 5, 12), (4, 9, 7), (6, 5, 12), (6, 5, 12)],
+              1: [(6, 5, 12), (4, 9, 7), (6, 5, 12), (6, 5, 12), (4, 9, 7), (4, 9, 7)]}
+    worst = 0.0
+    for u in range(6):
+        mine = _sample(dictionary, shapes[rank][u], 700 + 10 * u + rank)
+        both = [_sample(dictionary, shapes[r][u], 700 + 10 * u + r) for r in (0, 1)]
+        want = {}
+        for sample in both:  # the reference: both ranks' gradients, averaged, on this GPU
+            _, g = _step(eager, m1, [sample], 1.0, seed=u)
+            for k, v in g.items():
+                want[k] = want.get(k, 0) + v / 2
+        for p in m2.parameters():
+            p.grad = None
+        loss, _, _ = graphed(wrapped, mine)
+        loss.backward()
+        assert flat_all_reduce.all_reduce_flat(wrapped)
+        for k, p in m2.named_parameters():
+            worst = max(worst, _rel(p.grad, want[k]))
+    results[rank] = {"worst": worst, "stats": dict(graphed.graphs.stats)}
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_bucketed_all_reduce_matches_the_averaged_gradients(tmp_path):
+    """Two processes, NCCL, legacy DDP, different batches per rank: after each update both ranks
+    hold the average of the two ranks' eager gradients (relative 1e-5, fp32), whether a rank
+    replayed or ran eagerly (the ranks' shape orders differ, so both mixes occur)."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_two_gpu_worker, args=(str(tmp_path / "rdzv"), results), nprocs=2)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["worst"] <= 1e-5, (rank, r)
+        assert r["stats"]["overlapped_all_reduce"] == 6 and r["stats"]["replayed"] >= 2, r
