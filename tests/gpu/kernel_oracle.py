@@ -78,7 +78,8 @@ def attention_with_keep(q, k, v, hidden, keep, p):
         probs = probs.masked_fill(hidden.all(-1, keepdim=True), 0.0)
     probs = probs.to(q.dtype)
     if keep is not None:
-        probs = probs * keep.to(q.dtype) / (1 - p) if p < 1 else torch.zeros_like(probs)
+        # p = 1: zeros that stay in the autograd graph (callers differentiate through them)
+        probs = probs * keep.to(q.dtype) / (1 - p) if p < 1 else probs * 0
     return torch.matmul(probs, v)
 
 

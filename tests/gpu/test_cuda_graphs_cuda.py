@@ -18,6 +18,7 @@ from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batc
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
+from ls_fairseq.criterions.host_scalars import to_host  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +76,7 @@ def _step(crit, model, samples, scale, seed):
     for sample in samples:
         loss, _, log = crit(model, sample)
         (loss * scale).backward()
-        logs.append((float(log["loss"]), float(log["nll_loss"])))
+        logs.append((float(to_host(log["loss"])), float(to_host(log["nll_loss"]))))
     return logs, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
