@@ -302,14 +302,7 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
     more). fp32, tolerance relative 1e-5 (graph vs eager rounding, as above)."""
     from ls_fairseq.optim import flat_all_reduce
 
-    task = DummyTask(dictionary)
-    kwargs = dict(sentence_avg=False, label_smoothing=0.1)
-    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
-    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True,
-                                                   ls_all_reduce_bucket_mb=0.02, **kwargs)
-    extra = SMALL + ["--dropout", "0"]
-    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
-    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.02)
     wrapped = _FakeLegacyDDP.wrap(m2)
     ddp = wrapped.module
     reduced = []
@@ -364,14 +357,7 @@ def _two_gpu_worker(rank, init_file, results):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
     dictionary = make_dictionary(203)
-    task = DummyTask(dictionary)
-    kwargs = dict(sentence_avg=False, label_smoothing=0.1)
-    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
-    graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True,
-                                                   ls_all_reduce_bucket_mb=0.05, **kwargs)
-    extra = SMALL + ["--dropout", "0"]
-    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
-    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().train()
+    eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.05)
     wrapped = ModuleProxyWrapper(LegacyDistributedDataParallel(m2, dist.group.WORLD))
     # the ranks see shapes in different orders, so one replays while the other runs eagerly
     shapes = {0: [(4, 9, 7), (4, 9, 7), (6, 5, 12), (4, 9, 7), (6, 5, 12), (6, 5, 12)],
