@@ -41,9 +41,9 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   ``--ls-all-reduce-bucket-mb 0`` leaves the whole all-reduce to ``all_reduce_grads``.
 
 Limits: the gradients bypass autograd's per-parameter hooks, so torch DDP (``--ddp-backend
-c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error. Graphs hold their
-kernels' arguments and one pool of activation memory; ``max_graphs`` bounds their number (least
-recently used are dropped). Without CUDA the eager path runs (one warning).
+c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error. Graphs hold
+their kernels' arguments and one pool of activation memory; ``max_graphs`` bounds their number
+(least recently used are dropped). Without CUDA the eager path runs (one warning).
 """
 import collections
 import contextlib
@@ -157,7 +157,7 @@ class CudaGraphedLoss:
         self._buckets = None  # grad_buckets.GradBuckets over the flat buffers
         self._on_alias_grad = None  # set while a backward is being captured
         self._reduce = None  # the pending all-reduce of this update (_PendingReduce)
-        self.reduce_bucket = None  # bucket -> work; None: fairseq's legacy reduction (tests swap it)
+        self.reduce_bucket = None  # bucket -> work; None: fairseq's legacy reduction (tests swap)
         self._anchor = None
         self._pending = None  # weakref to the replayed loss whose backward has not run yet
         self._warned_cpu = False
