@@ -129,6 +129,8 @@ def main():
     ap.add_argument("--graphs-check", action="store_true",
                     help="ls_graphs under legacy_ddp: N GPUs x update-freq 1 vs 1 GPU x update-freq "
                          "N, dropout 0, on a 4k-pair corpus (batches recur, so graphs replay)")
+    ap.add_argument("--graphs-check-variant", default="ls_graphs",
+                    help="the graphed variant --graphs-check runs (e.g. ls_async)")
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true",
                     help="only the scaling runs (steps 1-3 were shown in an earlier call)")
@@ -213,12 +215,13 @@ def graphs_check(args, sentences=4000, updates=100):
     for gpus, freq in ((args.gpus, 1), (1, args.gpus)):
         d = f"/tmp/mg_graphs_{gpus}"
         os.makedirs(d, exist_ok=True)
-        logs[gpus] = train(data, "ls_graphs", mt, gpus, freq, updates, d, nodrop, "legacy_ddp")
+        logs[gpus] = train(data, args.graphs_check_variant, mt, gpus, freq, updates, d, nodrop,
+                           "legacy_ddp")
     multi, single = losses(logs[args.gpus]), losses(logs[1])
     flat = "all-reducing them in place" in logs[args.gpus]
     overlapped = "as the backward completes them" in logs[args.gpus]
     captured = re.findall(r"captured (\d+) batch shape", logs[args.gpus])
-    out = [f"ls_graphs, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq 1 vs 1 GPU x "
+    out = [f"{args.graphs_check_variant}, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq 1 vs 1 GPU x "
            f"update-freq {args.gpus}, max-tokens {mt}, dropout 0, {updates} updates, "
            f"{sentences}-pair corpus): largest loss gap {max_gap(multi, single):.4f}; flat "
            f"all-reduce used: {'yes' if flat else 'NO'}, during the backward: {'yes' if overlapped else 'no'}; shapes captured (rank log, last "

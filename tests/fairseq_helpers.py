@@ -136,3 +136,29 @@ def fp16_trainer_run(opt, params, steps, seed, overflow_at=(), update_freq=1, cl
             continue
         opt.step()
     return overflows, norms
+
+
+
+def _worker_entry(rank, world, init_file, backend, worker, args, results):
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        results[rank] = worker(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(tmp_path, worker, *args, world=2, backend="gloo"):
+    """``worker(rank, *args)`` in ``world`` processes joined by a default process group of
+    ``backend`` (nccl: one GPU per rank); the dicts they return, by rank. ``worker`` must be a
+    module-level function (it is pickled)."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_worker_entry,
+             args=(world, str(tmp_path / "rdzv"), backend, worker, args, results), nprocs=world)
+    return [results[rank] for rank in range(world)]

@@ -166,3 +166,49 @@ def test_converted_checkpoint_generates_identical_hypotheses(data_bin, tmp_path)
     train(data_bin, tmp_path, "transformer_wmt_en_de_big_t2t", ["--share-all-embeddings"], 70,
           criterion="label_smoothed_cross_entropy", optimizer="adam",
           more=["--restore-file", str(fs_ckpt)], plain_fairseq=True)
+
+
+def _stats(log):
+    """The logged statistics of every train_inner line, without the timings, and the per-token
+    ones of every valid line (fairseq averages a validation's sizes over its steps, and a step
+    of N workers holds N batches)."""
+    train = [re.sub(r"(wps|ups|wall|train_wall)=[\d.]+", "", line)
+             for line in re.findall(r"train_inner .*", log)]
+    valid = [re.findall(r"\| ((?:loss|nll_loss|ppl|accuracy) [\d.]+)", line)
+             for line in re.findall(r"valid on 'valid' subset .*", log)]
+    return train, valid
+
+
+def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp_path):
+    """--ls-async-stats under fairseq's own distributed engine: two gloo workers (update-freq 1)
+    log the same losses, accuracies, sizes, grad norms and validation figures as one worker with
+    update-freq 2, to the last printed digit. (Without the option fairseq cannot even run this
+    on CPUs: its all_gather_list needs CUDA.)"""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
+             "--ddp-backend", "legacy_ddp"]
+    args = ["--ls-async-stats", "--distributed-backend", "gloo", "--distributed-world-size", "2",
+            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
+    env = dict(_env(), OMP_NUM_THREADS="1")  # two processes on a 2-core CI machine
+    cmd = fairseq_cli("train") + [
+        str(data_bin), "--user-dir", USER_DIR, "--arch", "ls_transformer", *TINY_MODEL, *extra,
+        "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", "ls_adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20", "--max-tokens", "300",
+        "--max-update", "30", "--seed", "3", "--log-format", "simple", "--log-interval", "5",
+        "--report-accuracy", "--save-dir", str(tmp_path)]
+    workers = [subprocess.Popen(cmd + args + ["--distributed-rank", str(rank)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for rank in (1, 0)]
+    logs = [w.communicate(timeout=600)[0] for w in workers]
+    for w, log in zip(workers, logs):
+        assert w.returncode == 0, log[-5000:]
+    one = run(cmd + ["--update-freq", "2"])
+    (train, valid), (train_1, valid_1) = _stats(logs[1]), _stats(one)
+    assert len(train) == len(train_1) == 6 and len(valid) == len(valid_1) == 5
+    assert all(len(v) == 4 for v in valid)
+    assert train == train_1 and valid == valid_1

@@ -14,6 +14,10 @@ It needs a decoder whose output layer is ``decoder.output_projection`` (no adapt
 ``--ls-cuda-graphs`` (opt-in) replays the training forward and backward of each batch shape as
 CUDA graphs after its first sighting (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued
 without Python's per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
+
+``--ls-async-stats`` (opt-in, several GPUs) takes fairseq's per-update exchanges between workers
+(the logged values, the grad-norm agreement check) off the GPU's critical path
+(``ls_fairseq.distributed_stats``).
 """
 from dataclasses import dataclass, field
 
@@ -24,7 +28,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from .. import ops
+from .. import distributed_stats, ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from .cuda_graphs import CudaGraphedLoss
 from .host_scalars import for_logging, to_host
@@ -56,6 +60,13 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                                 "about this many MB while the backward runs (0: all at once "
                                 "after the backward)"},
     )
+    ls_async_stats: bool = field(
+        default=False,
+        metadata={"help": "several GPUs: gather the logged values over a CPU (gloo) group and "
+                  "compare the workers' grad norms one update late, so fairseq's train_step "
+                  "does not wait for the GPU (wraps two fairseq Trainer methods; "
+                  "ls_fairseq/distributed_stats.py)"},
+    )
 
 
 @register_criterion(
@@ -64,7 +75,8 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
-                 ls_cuda_graphs=False, ls_cuda_graphs_max=256, ls_all_reduce_bucket_mb=25.0):
+                 ls_cuda_graphs=False, ls_cuda_graphs_max=256, ls_all_reduce_bucket_mb=25.0,
+                 ls_async_stats=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
@@ -73,6 +85,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
         self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max,
                                       bucket_mb=ls_all_reduce_bucket_mb) if ls_cuda_graphs else None
+        self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
+        if ls_async_stats:
+            distributed_stats.install()
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]

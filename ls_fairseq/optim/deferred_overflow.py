@@ -26,11 +26,16 @@ know in time, so it counts the skipped update, logs its loss, and logs its gnorm
 logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes one update later.
 With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
 once per ``--fp16-scale-window`` updates).
+
+On several GPUs the option needs the criterion's ``--ls-async-stats``: fairseq's own check that the
+workers' grad norms agree treats a non-finite norm as a disagreement and stops the run, and with
+this option the trainer does see the norm of an overflowing update.
 """
 import logging
 import math
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from ..host_copy import HostCopy
@@ -52,6 +57,19 @@ def guarded_factor(total_norm: torch.Tensor, multiply_factor, max_norm: float):
     if max_norm > 0:
         factor = torch.where(norm > max_norm, factor * (max_norm / norm), factor)
     return norm, torch.where(torch.isfinite(norm), factor, float("nan"))
+
+
+def refuse_fairseqs_grad_norm_check(cfg) -> None:
+    """Raise unless a run of several workers replaces fairseq's grad-norm agreement check
+    (``ls_label_smoothed_cross_entropy --ls-async-stats``, ``ls_fairseq.distributed_stats``),
+    which would stop it at the first overflow. ``cfg`` is the trainer's whole config."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if getattr(getattr(cfg, "criterion", None), "ls_async_stats", False):
+        return
+    raise ValueError("--ls-deferred-overflow-check on several GPUs needs --criterion "
+                     "ls_label_smoothed_cross_entropy --ls-async-stats: fairseq's check that the "
+                     "workers' grad norms agree would stop the run at the first fp16 overflow")
 
 
 def _plain(x):

@@ -361,6 +361,8 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         if self._deferred and self.scaler is None:
             raise ValueError("--ls-deferred-overflow-check needs --fp16 (dynamic loss scaling); "
                              "drop it with --bf16")
+        if self._deferred:
+            deferred_overflow.refuse_fairseqs_grad_norm_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
 
     def _sync_fp16_grads_to_fp32(self):
