@@ -221,11 +221,16 @@ def graphs_check(args, sentences=4000, updates=100):
     flat = "all-reducing them in place" in logs[args.gpus]
     overlapped = "as the backward completes them" in logs[args.gpus]
     captured = re.findall(r"captured (\d+) batch shape", logs[args.gpus])
-    out = [f"{args.graphs_check_variant}, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq 1 vs 1 GPU x "
-           f"update-freq {args.gpus}, max-tokens {mt}, dropout 0, {updates} updates, "
+    # fp16 overflows (skipped updates) of each run: with --ls-deferred-overflow-check the trainer
+    # counts and logs them, so runs that skip different updates differ until they are trained
+    overflows = {g: log.count("gradient overflow detected") for g, log in logs.items()}
+    out = [f"{args.graphs_check_variant}, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq "
+           f"1 vs 1 GPU x update-freq {args.gpus}, max-tokens {mt}, dropout 0, {updates} updates, "
            f"{sentences}-pair corpus): largest loss gap {max_gap(multi, single):.4f}; flat "
-           f"all-reduce used: {'yes' if flat else 'NO'}, during the backward: {'yes' if overlapped else 'no'}; shapes captured (rank log, last "
-           f"power of 2): {captured[-1] if captured else 'none'}",
+           f"all-reduce used: {'yes' if flat else 'NO'}, during the backward: "
+           f"{'yes' if overlapped else 'no'}; shapes captured (rank log, last power of 2): "
+           f"{captured[-1] if captured else 'none'}; fp16 overflows: {overflows[args.gpus]} "
+           f"({args.gpus} GPUs), {overflows[1]} (1 GPU)",
            "updates: " + " ".join(str(u) for u, _ in multi),
            f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi),
            "loss 1 GPU:   " + " ".join(f"{l:.3f}" for _, l in single)]

@@ -88,7 +88,8 @@ def train(data_bin, save_dir, arch, extra, max_update, criterion="ls_label_smoot
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20", "--max-tokens", "600",
         "--max-update", str(max_update), "--save-dir", str(save_dir), "--seed", "3",
         "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints",
-        "--report-accuracy", *more], plain_fairseq=plain_fairseq)
+        "--report-accuracy", "--distributed-world-size", "1",  # fairseq's default: every GPU
+        *more], plain_fairseq=plain_fairseq)
 
 
 def generate(data_bin, checkpoint, user_dir=True):
