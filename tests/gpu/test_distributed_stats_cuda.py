@@ -20,7 +20,10 @@ from fairseq_helpers import run_workers  # noqa: E402
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
-SLEEP_CYCLES = 400_000_000  # ~0.2 s on an H100/H200: far longer than any host work here
+SLEEP_CYCLES = 2_000_000_000  # ~1 s on an H100/H200: far longer than any host work here
+
+
+_HOST_GROUP = []  # the worker's gloo group, for the barrier before each probe
 
 
 def _trainer(rank, group):
@@ -33,8 +36,12 @@ def _trainer(rank, group):
 
 def _still_running(fn, *args, **kwargs):
     """Queue a long kernel, call ``fn``, and say whether the kernel was still running when it
-    returned (plus what it returned or raised)."""
+    returned (plus what it returned or raised). The ranks start together (a host barrier), so
+    neither waits long for the other inside ``fn``."""
+    import torch.distributed as dist
+
     torch.cuda.synchronize()
+    dist.barrier(group=_HOST_GROUP[0])
     torch.cuda._sleep(SLEEP_CYCLES)
     done = torch.cuda.Event()
     done.record()
@@ -56,6 +63,9 @@ def _worker(rank):
 
     distributed_stats.install()
     group = dist.new_group()  # as fairseq's data-parallel group
+    dist.all_reduce(torch.zeros(1, device="cuda"), group=group)  # NCCL set up before timing
+    ours_trainer = _trainer(rank, group)  # one trainer: one gloo group, created here
+    _HOST_GROUP.append(distributed_stats.host_group(ours_trainer))
     g = torch.Generator(device="cuda").manual_seed(11 + rank)
     logs = []
     for i in range(rank + 2):  # workers hold different numbers of micro-batches
@@ -67,7 +77,7 @@ def _worker(rank):
     torch.cuda.synchronize()
     out = {}
     for ignore in (False, rank == 1):
-        ours = _still_running(Trainer._aggregate_logging_outputs, _trainer(rank, group), logs,
+        ours = _still_running(Trainer._aggregate_logging_outputs, ours_trainer, logs,
                               *extra, ignore=ignore)
         theirs = _still_running(Trainer._all_gather_list_sync, _trainer(rank, group), logs,
                                 *extra, ignore=ignore)
