@@ -67,8 +67,8 @@ VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"
 VARIANTS["ls_graphs_after"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",
                                    flags=VARIANTS["ls_graphs"]["flags"] + [
                                        "--ls-all-reduce-bucket-mb", "0"])
-# several GPUs: ls_deferred with fairseq's per-update exchanges between workers off the GPU's
-# critical path (ls_fairseq/distributed_stats.py); a no-op on one GPU (ls_deferred's figure)
+# several GPUs: fairseq's per-update exchanges between workers off the GPU's critical path
+# (ls_fairseq/distributed_stats.py); the flag does nothing on one GPU, whose figure is reused
 VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",

@@ -127,8 +127,9 @@ def main():
                     help="variant:ddp-backend[:epochs] (bench/e2e.py's variants; epochs overrides "
                          "--scaling-epochs, e.g. fewer for a variant without graphs)")
     ap.add_argument("--graphs-check", action="store_true",
-                    help="ls_graphs under legacy_ddp: N GPUs x update-freq 1 vs 1 GPU x update-freq "
-                         "N, dropout 0, on a 4k-pair corpus (batches recur, so graphs replay)")
+                    help="a graphed variant (--graphs-check-variant) under legacy_ddp: N GPUs x "
+                         "update-freq 1 vs 1 GPU x update-freq N, dropout 0, on a 4k-pair corpus "
+                         "(batches recur, so graphs replay)")
     ap.add_argument("--graphs-check-variant", default="ls_graphs",
                     help="the graphed variant --graphs-check runs (e.g. ls_async)")
     ap.add_argument("--skip-scaling", action="store_true")
