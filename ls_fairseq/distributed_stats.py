@@ -22,8 +22,9 @@ With the option:
   the GPU, and the criterion's logged values are already host copies (``host_scalars``), which
   wait only for the forward that computed them.
 * The grad norms are all-reduced as fairseq does (NCCL, on the stream) and copied to the host
-  without waiting. They are compared at the next update's check, so an inconsistency raises
-  fairseq's FloatingPointError one update late; the last update of a run is not compared. An
+  without waiting. They are compared at the next exchange (the next update's gather, or the
+  validation's, which fairseq-train runs after the last update unless validation is disabled),
+  so an inconsistency raises fairseq's FloatingPointError one update late. An
   update whose norm is not finite on every worker counts as consistent: it overflowed, and every
   worker skips it the same way. fairseq's own check never sees such a norm, because
   FP16Optimizer raises OverflowError before it; with ``--ls-deferred-overflow-check`` ls_adam
@@ -76,6 +77,7 @@ def gather_logging_outputs(trainer, logging_outputs, *extra_stats_to_sum, ignore
     logging outputs in rank order, [each extra statistic summed over the workers])``. Values
     arrive as their pickles do (a ``HostCopy`` as its number); CUDA tensors are moved to the CPU
     first, as fairseq does."""
+    compare_pending_grad_norms(trainer)
     if ignore:
         logging_outputs = []
     mine = utils.move_to_cpu([logging_outputs] + list(extra_stats_to_sum))
@@ -88,18 +90,25 @@ def gather_logging_outputs(trainer, logging_outputs, *extra_stats_to_sum, ignore
 
 def check_grad_norms_late(trainer, grad_norm) -> None:
     """fairseq's ``Trainer._check_grad_norms``, with the comparison read one update late: raises
-    for the previous update's norms, then queues this update's all-reduce and host copy."""
+    for the previous update's norms (unless the gather compared them already), then queues this
+    update's all-reduce and host copy."""
     buf = trainer._grad_norm_buf
     if buf is None:
         return
-    pending = getattr(trainer, "_ls_pending_norms", None)
-    trainer._ls_pending_norms = None
-    if pending is not None:
-        raise_if_inconsistent(pending.value(), trainer.cfg.common.amp)
+    compare_pending_grad_norms(trainer)
     buf.zero_()
     buf[trainer.data_parallel_rank] = grad_norm
     distributed_utils.all_reduce(buf, group=trainer.data_parallel_process_group)
     trainer._ls_pending_norms = HostCopy(buf)
+
+
+def compare_pending_grad_norms(trainer) -> None:
+    """Compare the last update's grad norms if not done yet (their copy left long ago: the next
+    forward was queued after it)."""
+    pending = getattr(trainer, "_ls_pending_norms", None)
+    trainer._ls_pending_norms = None
+    if pending is not None:
+        raise_if_inconsistent(pending.value(), trainer.cfg.common.amp)
 
 
 def raise_if_inconsistent(norms, amp: bool) -> None:

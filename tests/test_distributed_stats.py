@@ -8,7 +8,8 @@ fairseq's own gather needs CUDA, so the expected result is built here from every
 inputs; tests/gpu/test_distributed_stats_cuda.py compares against fairseq's function itself.
 
 The wrapped ``_check_grad_norms`` must raise fairseq's FloatingPointError exactly when fairseq's
-own ``_check_grad_norms`` (run here on the same CPU buffer) raises, one update later. The one
+own ``_check_grad_norms`` (run here on the same CPU buffer) raises, one update later (or at the
+next gather, whichever comes first). The one
 intended difference: norms that are not finite on every worker pass (an overflow that every worker
 skips). A trainer whose criterion has no ``ls_async_stats`` gets fairseq's methods unchanged.
 """
@@ -123,6 +124,12 @@ def _norms_worker(rank):
         # the update's own check never raises: its comparison is read at the next update
         out["same_update"].append(_raises(Trainer._check_grad_norms, trainer, norm))
         out["ours"].append(_raises(Trainer._check_grad_norms, trainer, torch.tensor(1.0)))
+    # the next gather (the next update's, or the validation's after the last update) compares
+    # the pending norms too
+    trainer = _fake_trainer(rank)
+    Trainer._check_grad_norms(trainer, torch.tensor(2.0 + rank * 1e-3))
+    out["gather_compares"] = _raises(Trainer._aggregate_logging_outputs, trainer, [], 1.0)
+    out["compared_once"] = _raises(Trainer._check_grad_norms, trainer, torch.tensor(1.0))
     # another criterion's trainer: fairseq's check, raising at once
     other = _fake_trainer(rank, async_stats=False)
     out["delegated"] = _raises(Trainer._check_grad_norms, other,
@@ -143,6 +150,7 @@ def test_grad_norm_check_raises_one_update_late_where_fairseq_raises(tmp_path):
     for rank, r in enumerate(run_workers(tmp_path, _norms_worker)):
         assert r["same_update"] == [None] * len(NORM_CASES + OVERFLOWS), rank
         assert r["delegated"], rank
+        assert r["gather_compares"] is not None and r["compared_once"] is None, rank
         assert "needs --criterion ls_label_smoothed_cross_entropy --ls-async-stats" in \
             r["deferred_refused"], rank
         for case, ours, theirs in zip(NORM_CASES, r["ours"], r["fairseq"]):
