@@ -6,8 +6,9 @@ fairseq's method whenever the gradients are not exactly a set of flat buffers.""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
+
+from fairseq_helpers import run_workers
 
 from ls_fairseq.optim import flat_all_reduce
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
@@ -41,9 +42,7 @@ def _flat_views(model, grads, align=16, extra_gap=0):
     return flat
 
 
-def _worker(rank, init_file, dtype, results):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+def _worker(rank, dtype):
     group = dist.group.WORLD
     out = {}
     # fairseq's method, plain .grad tensors
@@ -78,16 +77,12 @@ def _worker(rank, init_file, dtype, results):
     with ddp.no_sync():
         out["no_sync_took_flat"] = flat_all_reduce.all_reduce_flat(ModuleProxyWrapper(ddp))
     out["no_sync_untouched"] = all(torch.equal(p.grad, g) for p, g in zip(acc.parameters(), local))
-    results[rank] = out
-    dist.destroy_process_group()
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_flat_all_reduce_matches_fairseq_legacy_ddp(tmp_path, dtype):
-    results = mp.Manager().dict()
-    mp.spawn(_worker, args=(str(tmp_path / "rdzv"), dtype, results), nprocs=WORLD)
-    for rank in range(WORLD):
-        r = results[rank]
+    for rank, r in enumerate(run_workers(tmp_path, _worker, dtype, world=WORLD)):
         assert r["flat_equal"], f"rank {rank}: flat all-reduce differs from fairseq's"
         assert r["ddp_buffer_untouched"]
         assert not r["plain_took_flat"] and r["plain_equal"]

@@ -10,8 +10,9 @@ tests/gpu/test_cuda_graphs_cuda.py."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
+
+from fairseq_helpers import run_workers
 
 from ls_fairseq import grad_buckets
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
@@ -59,9 +60,7 @@ def _model(dtype):
                                torch.nn.Linear(101, 13)).to(dtype)
 
 
-def _worker(rank, init_file, dtype, results):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+def _worker(rank, dtype):
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(100 + rank)
     ref = _model(dtype)
@@ -89,16 +88,12 @@ def _worker(rank, init_file, dtype, results):
     out["not_reduced_twice"] = all(torch.equal(p.grad, q.grad)
                                    for p, q in zip(params, ref.parameters()))
     out["mark_taken_off"] = not grad_buckets.all_reduced(flat)
-    results[rank] = out
-    dist.destroy_process_group()
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_bucketed_reduce_is_fairseq_legacy_all_reduce(tmp_path, dtype):
-    results = mp.Manager().dict()
-    mp.spawn(_worker, args=(str(tmp_path / "rdzv"), dtype, results), nprocs=WORLD)
-    for rank in range(WORLD):
-        r = results[rank]
+    for rank, r in enumerate(run_workers(tmp_path, _worker, dtype, world=WORLD)):
         assert r["buckets"] >= 3  # the case is bucketed, not one buffer
         assert r["equal"], f"rank {rank}: bucketed all-reduce differs from fairseq's"
         assert r["not_reduced_twice"] and r["mark_taken_off"]
