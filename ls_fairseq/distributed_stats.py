@@ -24,9 +24,9 @@ With the option:
 * The grad norms are all-reduced as fairseq does (NCCL, on the stream) and copied to the host
   without waiting. They are compared at the next exchange (the next update's gather, or the
   validation's, which fairseq-train runs after the last update unless validation is disabled),
-  so an inconsistency raises fairseq's FloatingPointError one update late. An
-  update whose norm is not finite on every worker counts as consistent: it overflowed, and every
-  worker skips it the same way. fairseq's own check never sees such a norm, because
+  so an inconsistency raises fairseq's FloatingPointError one update late. An update whose norm
+  is not finite on every worker counts as consistent: it overflowed, and every worker skips it
+  the same way. fairseq's own check never sees such a norm, because
   FP16Optimizer raises OverflowError before it; with ``--ls-deferred-overflow-check`` ls_adam
   skips it on the device instead.
 
@@ -34,9 +34,10 @@ fairseq-train builds fairseq's ``Trainer`` by name and has no trainer registry, 
 two methods is the only way to change them short of a trainer of ls_fairseq's own. ``install()``
 wraps both on the ``Trainer`` class, once, when a criterion is built with the option. The
 wrappers run fairseq's own methods for every trainer whose criterion does not have
-``ls_async_stats`` set. Tested in tests/test_distributed_stats.py (gloo) and
-tests/gpu/test_distributed_stats_cuda.py (against fairseq's ``_all_gather_list_sync`` on two
-GPUs).
+``ls_async_stats`` set. Tested in tests/test_distributed_stats.py (gloo, against fairseq's
+``_check_grad_norms``), tests/gpu/test_distributed_stats_cuda.py (two GPUs, against fairseq's
+``_all_gather_list_sync``; neither wrapped method waits for the GPU) and tests/test_end_to_end.py
+(two CPU workers of fairseq-train log what one worker with update-freq 2 logs).
 """
 import functools
 import itertools
