@@ -50,10 +50,16 @@ from fairseq.distributed import utils as distributed_utils
 from .host_copy import HostCopy
 
 
+def several_workers() -> bool:
+    """True inside a distributed run of more than one process (fairseq's trainer then exchanges
+    logging outputs and grad norms between them)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _applies(trainer) -> bool:
     if not getattr(getattr(trainer, "_criterion", None), "ls_async_stats", False):
         return False
-    if not (dist.is_available() and dist.is_initialized()):  # one process: nothing exchanged
+    if not several_workers():  # one process: nothing exchanged
         return False
     if trainer.data_parallel_world_size != dist.get_world_size():
         raise ValueError(

@@ -138,7 +138,6 @@ def fp16_trainer_run(opt, params, steps, seed, overflow_at=(), update_freq=1, cl
     return overflows, norms
 
 
-
 def _worker_entry(rank, world, init_file, backend, worker, args, results):
     import torch.distributed as dist
 

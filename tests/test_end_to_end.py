@@ -80,7 +80,16 @@ def make_tiny_data(root):
 
 def train(data_bin, save_dir, arch, extra, max_update, criterion="ls_label_smoothed_cross_entropy",
           optimizer="ls_adam", more=(), plain_fairseq=False):
-    return run(fairseq_cli("train") + [
+    return run(train_cmd(data_bin, save_dir, arch, extra, max_update, criterion, optimizer, more,
+                         plain_fairseq), plain_fairseq=plain_fairseq)
+
+
+def train_cmd(data_bin, save_dir, arch, extra, max_update,
+              criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam", more=(),
+              plain_fairseq=False):
+    """The fairseq-train command of :func:`train` (later flags in ``more`` override earlier
+    ones)."""
+    return fairseq_cli("train") + [
         str(data_bin), *([] if plain_fairseq else ["--user-dir", USER_DIR]), "--arch", arch,
         *TINY_MODEL, *extra,
         "--criterion", criterion, "--label-smoothing", "0.1", "--optimizer", optimizer,
@@ -89,7 +98,7 @@ def train(data_bin, save_dir, arch, extra, max_update, criterion="ls_label_smoot
         "--max-update", str(max_update), "--save-dir", str(save_dir), "--seed", "3",
         "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints",
         "--report-accuracy", "--distributed-world-size", "1",  # fairseq's default: every GPU
-        *more], plain_fairseq=plain_fairseq)
+        *more]
 
 
 def generate(data_bin, checkpoint, user_dir=True):
@@ -195,13 +204,8 @@ def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp
     args = ["--ls-async-stats", "--distributed-backend", "gloo", "--distributed-world-size", "2",
             "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
     env = dict(_env(), OMP_NUM_THREADS="1")  # two processes on a 2-core CI machine
-    cmd = fairseq_cli("train") + [
-        str(data_bin), "--user-dir", USER_DIR, "--arch", "ls_transformer", *TINY_MODEL, *extra,
-        "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "ls_adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
-        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20", "--max-tokens", "300",
-        "--max-update", "30", "--seed", "3", "--log-format", "simple", "--log-interval", "5",
-        "--report-accuracy", "--save-dir", str(tmp_path)]
+    cmd = train_cmd(data_bin, tmp_path, "ls_transformer", extra, 30,
+                    more=["--max-tokens", "300", "--weight-decay", "0"])
     workers = [subprocess.Popen(cmd + args + ["--distributed-rank", str(rank)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for rank in (1, 0)]

@@ -20,15 +20,8 @@ over a CPU group instead (``ls_fairseq.distributed_stats``).
 """
 import torch
 
+from ..distributed_stats import several_workers
 from ..host_copy import HostCopy
-
-
-def _data_parallel():
-    """True inside a distributed run of more than one process (fairseq's trainer then exchanges
-    logging outputs between them)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def for_logging(t):
@@ -37,7 +30,7 @@ def for_logging(t):
     gathered as a number); any other value unchanged."""
     if not (torch.is_tensor(t) and t.is_cuda and t.numel() == 1):
         return t
-    if _data_parallel():
+    if several_workers():
         return HostCopy(t)
     t.ls_host_copy = HostCopy(t)
     return t

@@ -35,9 +35,9 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from ..distributed_stats import several_workers
 from ..host_copy import HostCopy
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def refuse_fairseqs_grad_norm_check(cfg) -> None:
     """Raise unless a run of several workers replaces fairseq's grad-norm agreement check
     (``ls_label_smoothed_cross_entropy --ls-async-stats``, ``ls_fairseq.distributed_stats``),
     which would stop it at the first overflow. ``cfg`` is the trainer's whole config."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not several_workers():
         return
     if getattr(getattr(cfg, "criterion", None), "ls_async_stats", False):
         return

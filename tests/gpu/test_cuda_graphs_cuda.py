@@ -14,7 +14,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch  # noqa: E402
+from fairseq_helpers import (  # noqa: E402
+    DummyTask, build_model, make_dictionary, random_batch, run_workers,
+)
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
@@ -348,14 +350,12 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
         assert _rel(p2.grad, 3 * p1.grad) <= 1e-5, k
 
 
-def _two_gpu_worker(rank, init_file, results):
+def _two_gpu_worker(rank):
     import torch.distributed as dist
     from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
 
     from ls_fairseq.optim import flat_all_reduce
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
     dictionary = make_dictionary(203)
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.05)
     wrapped = ModuleProxyWrapper(LegacyDistributedDataParallel(m2, dist.group.WORLD))
@@ -378,8 +378,7 @@ def _two_gpu_worker(rank, init_file, results):
         assert flat_all_reduce.all_reduce_flat(wrapped)
         for k, p in m2.named_parameters():
             worst = max(worst, _rel(p.grad, want[k]))
-    results[rank] = {"worst": worst, "stats": dict(graphed.graphs.stats)}
-    dist.destroy_process_group()
+    return {"worst": worst, "stats": dict(graphed.graphs.stats)}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -387,11 +386,6 @@ def test_two_gpus_bucketed_all_reduce_matches_the_averaged_gradients(tmp_path):
     """Two processes, NCCL, legacy DDP, different batches per rank: after each update both ranks
     hold the average of the two ranks' eager gradients (relative 1e-5, fp32), whether a rank
     replayed or ran eagerly (the ranks' shape orders differ, so both mixes occur)."""
-    import torch.multiprocessing as mp
-
-    results = mp.Manager().dict()
-    mp.spawn(_two_gpu_worker, args=(str(tmp_path / "rdzv"), results), nprocs=2)
-    for rank in (0, 1):
-        r = results[rank]
+    for rank, r in enumerate(run_workers(tmp_path, _two_gpu_worker, backend="nccl")):
         assert r["worst"] <= 1e-5, (rank, r)
         assert r["stats"]["overlapped_all_reduce"] == 6 and r["stats"]["replayed"] >= 2, r
