@@ -192,11 +192,21 @@ def _padding_bias(key_padding_mask, heads: int, tq: int, dtype):
     """Additive bias [B, H, Tq, Tk] (0 / -inf) as a zero-stride view of one [B, Tk] row per batch.
 
     The row stride is rounded up to 16 elements, the alignment the kernel asks for (otherwise SDPA
-    would pad it with a copy)."""
+    would pad it with a copy). The rows are built once per mask tensor and dtype and kept on the
+    mask itself (until it is modified in place): one encoder padding mask serves its 6 encoder
+    self-attentions and the decoder's 6 cross-attentions, and each build is 3 launches and
+    ~60 us of host time (docs/PERFORMANCE.md, session 14)."""
     b, tk = key_padding_mask.shape
-    width = (tk + 15) // 16 * 16
-    bias = torch.zeros((b, width), dtype=dtype, device=key_padding_mask.device)
-    bias[:, :tk].masked_fill_(key_padding_mask, float("-inf"))
+    memo = getattr(key_padding_mask, "_ls_padding_bias", None)
+    if memo is None or memo[0] != key_padding_mask._version:
+        memo = (key_padding_mask._version, {})
+        key_padding_mask._ls_padding_bias = memo
+    bias = memo[1].get(dtype)
+    if bias is None:
+        width = (tk + 15) // 16 * 16
+        bias = torch.zeros((b, width), dtype=dtype, device=key_padding_mask.device)
+        bias[:, :tk].masked_fill_(key_padding_mask, float("-inf"))
+        memo[1][dtype] = bias
     return bias[:, None, None, :tk].expand(b, heads, tq, tk)
 
 

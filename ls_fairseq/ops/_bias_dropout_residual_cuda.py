@@ -4,7 +4,8 @@
 Ops: ``bias_dropout_residual_fwd(x, bias, residual, p, train) -> (out, rng)`` and
 ``bias_dropout_residual_bwd(grad, rng, p, train, bias_grad) -> (grad_x, grad_bias)``. ``rng`` is an
 int64[2] CUDA tensor (Philox seed, offset drawn from torch's CUDA generator): the backward
-regenerates the dropout mask from it, so nothing per element is saved for backward.
+regenerates the dropout mask from it, so nothing per element is saved for backward. The forward
+op's autograd is C++ (``csrc/dropout_fusions_autograd.cpp``); fake-tensor shapes are registered here.
 """
 import torch
 
@@ -27,45 +28,6 @@ def _bwd_fake(grad, rng, p, train, bias_grad):
         torch.empty_like(grad, memory_format=torch.contiguous_format),
         grad.new_empty((grad.size(-1) if bias_grad else 0,)),
     )
-
-
-def _setup_context(ctx, inputs, output):
-    _x, bias, _residual, p, train = inputs
-    _out, rng = output
-    ctx.mark_non_differentiable(rng)
-    ctx.save_for_backward(rng)
-    ctx.p, ctx.train = float(p), bool(train)
-    ctx.bias_shape = None if bias is None else bias.shape
-
-
-def _backward(ctx, grad_out, _grad_rng):
-    (rng,) = ctx.saved_tensors
-    need_x, need_b, need_r = ctx.needs_input_grad[:3]
-    bias_grad = bool(need_b and ctx.bias_shape is not None)
-    grad_x = grad_bias = None
-    if need_x or bias_grad:
-        if ctx.train and ctx.p > 0:
-            grad_x, grad_bias = torch.ops.ls_fairseq.bias_dropout_residual_bwd(
-                grad_out, rng, ctx.p, ctx.train, bias_grad
-            )
-        else:  # no dropout: d/dx is the identity, no copy needed
-            grad_x = grad_out
-            if bias_grad:
-                grad_bias = grad_out.reshape(-1, grad_out.size(-1)).sum(0)
-        if bias_grad:
-            grad_bias = grad_bias.view(ctx.bias_shape)
-    return (
-        grad_x if need_x else None,
-        grad_bias if bias_grad else None,
-        grad_out if need_r else None,
-        None,
-        None,
-    )
-
-
-torch.library.register_autograd(
-    "ls_fairseq::bias_dropout_residual_fwd", _backward, setup_context=_setup_context
-)
 
 
 def bias_dropout_residual_cuda(x, bias, residual, dropout_p: float, training: bool):

