@@ -29,6 +29,17 @@ std::optional<Tensor> present(const Tensor& t) {
   return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
 }
 
+// What both backwards read: the dropout arguments, and the bias's gradient slot (numbered over the
+// tensor arguments that are present; x is slot 0, the bias, if any, slot 1) and shape.
+void save_dropout_args(AutogradContext* ctx, const std::optional<Tensor>& bias, double p,
+                       bool train) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  ctx->saved_data["p"] = p;
+  ctx->saved_data["train"] = train;
+  ctx->saved_data["b_slot"] = has_bias ? int64_t(1) : int64_t(-1);
+  ctx->saved_data["bias_shape"] = has_bias ? bias->sizes().vec() : std::vector<int64_t>{};
+}
+
 // ------------------------------------------------------------------ bias + dropout + residual
 struct BiasDropoutResidualFunction
     : public torch::autograd::Function<BiasDropoutResidualFunction> {
@@ -47,13 +58,8 @@ struct BiasDropoutResidualFunction
     ctx->mark_non_differentiable({rng});
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({rng});
-    const bool has_bias = bias.has_value() && bias->defined();
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["train"] = train;
-    // gradient slots are numbered over the tensor arguments that are present
-    ctx->saved_data["b_slot"] = has_bias ? int64_t(1) : int64_t(-1);
-    ctx->saved_data["r_slot"] = has_bias ? int64_t(2) : int64_t(1);
-    ctx->saved_data["bias_shape"] = has_bias ? bias->sizes().vec() : std::vector<int64_t>{};
+    save_dropout_args(ctx, bias, p, train);
+    ctx->saved_data["r_slot"] = bias.has_value() && bias->defined() ? int64_t(2) : int64_t(1);
     return {out, rng};
   }
 
@@ -106,18 +112,13 @@ struct BiasActDropoutFunction : public torch::autograd::Function<BiasActDropoutF
     }
     ctx->mark_non_differentiable({rng});
     ctx->set_materialize_grads(false);
-    const bool relu = activation == "relu";
-    const bool has_bias = bias.has_value() && bias->defined();
-    if (relu) {
+    if (activation == "relu") {
       ctx->save_for_backward({out});
     } else {
       ctx->save_for_backward({x, bias.value_or(Tensor()), rng});
     }
     ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["train"] = train;
-    ctx->saved_data["b_slot"] = has_bias ? int64_t(1) : int64_t(-1);
-    ctx->saved_data["bias_shape"] = has_bias ? bias->sizes().vec() : std::vector<int64_t>{};
+    save_dropout_args(ctx, bias, p, train);
     return {out, rng};
   }
 
@@ -137,7 +138,7 @@ struct BiasActDropoutFunction : public torch::autograd::Function<BiasActDropoutF
     if (!grad_out.defined() || !(need_x || need_b)) {
       return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
-    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const std::string& activation = ctx->saved_data["activation"].toStringRef();
     const double p = ctx->saved_data["p"].toDouble();
     const bool train = ctx->saved_data["train"].toBool();
     const auto saved = ctx->get_saved_variables();

@@ -41,14 +41,14 @@ def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bi
 
 
 def _input_grads(ctx, grad_y, residual_grad=None):
-    """(dx, dw, db) for the inputs that need them (None for the others), from ``layer_norm_bwd``;
-    ``residual_grad`` is added to dx in the same pass."""
+    """(dx, dw, db) for the inputs that need them (None for the others), from ``layer_norm_bwd``
+    on the saved input (not invertible); ``residual_grad`` is added to dx in the same pass."""
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     weight_grad = bool(need_w and weight is not None)
     bias_grad = bool(need_b and bias is not None)
     dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
-        grad_y, saved, weight, bias, mean, rstd, ctx.invertible, weight_grad, bias_grad,
+        grad_y, saved, weight, bias, mean, rstd, False, weight_grad, bias_grad,
         residual_grad if need_x else None,
     )
     return (
@@ -73,7 +73,6 @@ class _LayerNormKeepInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         ctx.set_materialize_grads(False)
-        ctx.invertible = False
         y, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, False)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return y, x
