@@ -17,7 +17,8 @@ a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
 ``--ls-fused-fp16-copy``), ``ls_graphs`` (``ls`` plus ``--ls-cuda-graphs``: each batch shape
 runs eagerly at its first sighting, is captured at its second and replayed from then on, so its
 steady state needs a third epoch: --epochs 3), ``ls_deferred`` (``ls_graphs`` plus ls_adam's
-``--ls-deferred-overflow-check``: no update waits for the GPU), ``ls_plain_fp16`` (the ls_ twins
+``--ls-deferred-overflow-check``: no update waits for the GPU; ``ls_deferred_nobuckets`` the
+same with ``--ls-shape-buckets 0``, one graph per batch shape), ``ls_plain_fp16`` (the ls_ twins
 under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
 (Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
 smoothing 0.1, shared embeddings), --fp16.
@@ -62,6 +63,9 @@ VARIANTS = {
 
 VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"]["flags"] + [
     "--ls-deferred-overflow-check"])
+# one graph per batch shape, as before --ls-shape-buckets (on by default with --ls-cuda-graphs)
+VARIANTS["ls_deferred_nobuckets"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
+    "flags"] + ["--ls-shape-buckets", "0"])
 # several GPUs only: the gradient all-reduce after the backward instead of during it (on one
 # GPU the same run as ls_graphs, whose 1-GPU figure bench/multi_gpu.py reuses)
 VARIANTS["ls_graphs_after"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",
@@ -75,6 +79,14 @@ VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred"
                             flags=VARIANTS["ls_deferred"]["flags"] + ["--ls-async-stats"])
 
 
+def wmt_like_lengths(rng, n):
+    """Source and target lengths in subwords (before fairseq's end-of-sentence token) shaped
+    like WMT14 en-de after joined BPE: lognormal, mean ~29, tail to 250."""
+    src_len = np.clip(np.round(rng.lognormal(mean=3.15, sigma=0.62, size=n)), 1, 250).astype(int)
+    tgt_len = np.clip(np.round(src_len * rng.normal(1.08, 0.15, size=n)), 1, 250).astype(int)
+    return src_len, tgt_len
+
+
 def make_corpus(workdir, sentences, vocab, seed=1):
     """WMT14-like lengths and Zipf token frequencies, as fairseq-preprocess input text."""
     rng = np.random.default_rng(seed)
@@ -83,8 +95,7 @@ def make_corpus(workdir, sentences, vocab, seed=1):
     p = 1.0 / ranks**1.05
     p /= p.sum()
     for split, n in (("train", sentences), ("valid", 500)):
-        src_len = np.clip(np.round(rng.lognormal(mean=3.15, sigma=0.62, size=n)), 1, 250).astype(int)
-        tgt_len = np.clip(np.round(src_len * rng.normal(1.08, 0.15, size=n)), 1, 250).astype(int)
+        src_len, tgt_len = wmt_like_lengths(rng, n)
         for side, lengths in (("en", src_len), ("de", tgt_len)):
             tokens = rng.choice(vocab, size=int(lengths.sum()), p=p)
             words = np.char.add("t", tokens.astype(str))

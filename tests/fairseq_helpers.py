@@ -92,6 +92,21 @@ def run_criterion(criterion, model, sample):
     return loss.detach(), sample_size, logging_output, grads
 
 
+def grad_err(key, grad, ref_grads):
+    """Error of parameter ``key``'s gradient against ``ref_grads[key]``: max |a - b| / max |b|,
+    except for attention query/key projections. Their gradients pass through the softmax
+    gradient dS = P * (dP - sum(P dP)), which cancels, so they carry rounding error of the size
+    of the attention block's gradients (and are exactly zero in exact arithmetic for the key
+    bias, or when every row has a single key): they are measured against the block's
+    value-projection gradient."""
+    ref = ref_grads[key]
+    denom = float(ref.abs().max())
+    if ".k_proj." in key or ".q_proj." in key:
+        v_key = key.replace(".k_proj.", ".v_proj.").replace(".q_proj.", ".v_proj.")
+        denom = max(denom, float(ref_grads[v_key].abs().max()))
+    return float((grad.double() - ref.double()).abs().max()) / max(denom, 1e-30)
+
+
 def max_rel_err(a, b):
     """max |a - b| / max |b|: the error scale relative to the tensor's magnitude."""
     a, b = a.double(), b.double()

@@ -15,10 +15,16 @@ It needs a decoder whose output layer is ``decoder.output_projection`` (no adapt
 CUDA graphs after its first sighting (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued
 without Python's per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
 
+``--ls-shape-buckets N`` (with ``--ls-cuda-graphs``; 16 unless set, 0: off) pads each training
+batch up to one of a few hundred shapes (``shape_buckets``), so the graphs of a WMT14-sized corpus
+are replayed from the first epoch on instead of thrashing over its thousands of batch shapes.
+Losses, gradients and logged values are those of the unpadded batch.
+
 ``--ls-async-stats`` (opt-in, several GPUs) takes fairseq's per-update exchanges between workers
 (the logged values, the grad-norm agreement check) off the GPU's critical path
 (``ls_fairseq.distributed_stats``).
 """
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +36,12 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 
 from .. import distributed_stats, ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
+from . import shape_buckets
 from .cuda_graphs import CudaGraphedLoss
+from .shape_buckets import ShapeBuckets
 from .host_scalars import for_logging, to_host
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +64,18 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
         default=256, metadata={"help": "most batch shapes kept captured by --ls-cuda-graphs "
                                "(least recently used dropped)"},
     )
+    ls_shape_buckets: int = field(
+        default=16, metadata={"help": "with --ls-cuda-graphs: pad each training batch up to a "
+                              "shape on a grid with this many steps per doubling of its batch "
+                              "size, source and target length, or to an earlier batch's padded "
+                              "shape within --ls-shape-bucket-slack, so few shapes are captured "
+                              "(0: no padding, one graph per batch shape)"},
+    )
+    ls_shape_bucket_slack: float = field(
+        default=0.2, metadata={"help": "with --ls-shape-buckets: a batch reuses an earlier "
+                               "padded shape if that costs at most this fraction more token "
+                               "slots (source + target positions) than the batch's own shape"},
+    )
     ls_all_reduce_bucket_mb: float = field(
         default=25.0, metadata={"help": "with --ls-cuda-graphs on several GPUs (--ddp-backend "
                                 "legacy_ddp/no_c10d): all-reduce the gradients in buckets of "
@@ -75,8 +97,8 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
-                 ls_cuda_graphs=False, ls_cuda_graphs_max=256, ls_all_reduce_bucket_mb=25.0,
-                 ls_async_stats=False):
+                 ls_cuda_graphs=False, ls_cuda_graphs_max=256, ls_shape_buckets=16,
+                 ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0, ls_async_stats=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
@@ -85,9 +107,43 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
         self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max,
                                       bucket_mb=ls_all_reduce_bucket_mb) if ls_cuda_graphs else None
+        self.shape_buckets, self._pad_tokens = self._shape_buckets(
+            task, ls_shape_buckets, ls_shape_bucket_slack) if ls_cuda_graphs else (None, None)
         self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
         if ls_async_stats:
             distributed_stats.install()
+
+    @staticmethod
+    def _shape_buckets(task, steps, slack):
+        """(ShapeBuckets, shape_buckets.Tokens) for --ls-shape-buckets, or (None, None)."""
+        buckets = ShapeBuckets(steps, slack)  # checks the flags
+        if steps == 0:
+            return None, None
+        cfg = getattr(task, "cfg", None)
+        left_pad_source = getattr(cfg, "left_pad_source", None)
+        src_dict = getattr(task, "source_dictionary", None)
+        tgt_dict = getattr(task, "target_dictionary", None)
+        if not isinstance(left_pad_source, bool) or getattr(cfg, "left_pad_target", False) or \
+                src_dict is None or tgt_dict is None:
+            logger.warning(
+                "--ls-shape-buckets: batches are not padded (not a translation task that "
+                "right-pads its targets); --ls-cuda-graphs captures one graph per batch shape. "
+                "Pass --ls-shape-buckets 0 to silence this.")
+            return None, None
+        return buckets, shape_buckets.Tokens(src_dict.pad(), src_dict.eos(), tgt_dict.pad(),
+                                             tgt_dict.eos(), left_pad_source)
+
+    def _padded(self, model, sample):
+        """The training batch padded up to its bucketed shape (``shape_buckets``), or as is."""
+        if self.shape_buckets is None or not (model.training and torch.is_grad_enabled()):
+            return sample
+        shape = shape_buckets.batch_shape(sample)
+        if shape is None:
+            return sample
+        padded = self.shape_buckets.shape_for(shape)
+        if padded == shape:
+            return sample
+        return shape_buckets.pad_batch(sample, padded, self._pad_tokens)
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
@@ -122,8 +178,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def forward(self, model, sample, reduce=True):
         if not reduce:  # per-token losses: fairseq's own path
             return super().forward(model, sample, reduce=False)
-        if self.graphs is not None:
-            loss, nll_loss, n_correct, total = self.graphs(model, sample, self._losses)
+        if self.graphs is not None:  # logged values below come from the unpadded batch
+            loss, nll_loss, n_correct, total = self.graphs(model, self._padded(model, sample),
+                                                           self._losses)
         else:
             loss, nll_loss, n_correct, total = self._losses(model, sample)
         sample_size, logging_output = self._logging_output(loss, nll_loss, sample, n_correct,

@@ -9,13 +9,14 @@ the same masks as the eager step (same tolerances).
 """
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq_helpers import (  # noqa: E402
-    DummyTask, build_model, make_dictionary, random_batch, run_workers,
+    DummyTask, build_model, grad_err, make_dictionary, random_batch, run_workers,
 )
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
@@ -111,6 +112,41 @@ def test_replay_matches_eager(dictionary, dtype, dropout):
     assert graphed.graphs.stats["captured"] == 3
     assert graphed.graphs.stats["replayed"] >= 5
     assert len(warm_ups) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
+    """--ls-shape-buckets: five batches of five different shapes are padded to one shape, so
+    from the third on they replay its graphs although their own shapes were never seen. Losses
+    and gradients are those of the unpadded batch run eagerly (dropout 0; tolerances as above,
+    query/key projection gradients measured as in test_model_equivalence)."""
+    task = DummyTask(dictionary)
+    task.cfg = SimpleNamespace(left_pad_source=True, left_pad_target=False)
+    extra = SMALL + ["--dropout", "0"]
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1,
+                                                   ls_cuda_graphs=True, ls_shape_buckets=4,
+                                                   ls_shape_bucket_slack=0.5)
+    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    scale = 1.0 if dtype == torch.float32 else 128.0
+    # (8, 13, 11) pads to (8, 14, 12); the others fit in it within 1.5x their token slots
+    for i, shape in enumerate([(8, 13, 11), (7, 14, 12), (8, 12, 10), (6, 13, 12), (8, 13, 12)]):
+        samples = [_sample(dictionary, shape, 300 + i)]
+        logs_e, grads_e = _step(eager, m1, samples, scale, seed=i)
+        logs_g, grads_g = _step(graphed, m2, samples, scale, seed=i)
+        for (le, ne), (lg, ng) in zip(logs_e, logs_g):
+            assert abs(lg - le) <= tol * abs(le), (i, shape, le, lg)
+            assert abs(ng - ne) <= tol * abs(ne), (i, shape, ne, ng)
+        for k in grads_e:
+            assert grad_err(k, grads_g[k], grads_e) <= tol, (i, shape, k)
+        with torch.no_grad():
+            for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                p1.add_(p1.grad, alpha=-1e-3 / scale)
+                p2.copy_(p1)
+    assert graphed.shape_buckets.shapes == [(8, 14, 12)]
+    assert dict(graphed.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 4}
 
 
 def test_replays_draw_new_dropout_masks(dictionary):
@@ -224,11 +260,13 @@ def test_least_recently_used_graphs_dropped(dictionary):
     assert crit.graphs.stats["captured"] == 4  # (2, 5, 6) was dropped, then captured again
 
 
-@pytest.mark.parametrize("more", [[], ["--ls-fused-fp16-copy"]], ids=["fp16", "fp16_fused_copy"])
+@pytest.mark.parametrize("more", [[], ["--ls-fused-fp16-copy"], ["--ls-shape-buckets", "0"]],
+                         ids=["fp16", "fp16_fused_copy", "no_shape_buckets"])
 def test_fairseq_train_same_losses(tmp_path, more):
     """fairseq-train (--fp16, dropout 0, 9 epochs of a tiny corpus, so batch shapes repeat):
     --ls-cuda-graphs logs the same losses as the eager run (fairseq rounds them to 3 decimals;
-    tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream)."""
+    tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream and for the sums over
+    padded batches, --ls-shape-buckets being on by default)."""
     from test_end_to_end import losses, make_tiny_data, train
 
     data = make_tiny_data(tmp_path)

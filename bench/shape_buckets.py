@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""How many batch shapes fairseq's batching makes, and what ``--ls-shape-buckets`` does to them.
+
+CPU only, no training: WMT14-like sentence lengths (``e2e.wmt_like_lengths``, the distribution of
+the end-to-end benchmark's corpus), ordered as fairseq's ``LanguagePairDataset`` orders them and
+batched by fairseq's own ``batch_by_size`` (``--max-tokens``, ``--required-batch-size-multiple
+8``). For each setting of ``--ls-shape-buckets`` / ``--ls-shape-bucket-slack`` (the
+criterion's ``ShapeBuckets``, fed the batches in training order) it prints
+
+* the distinct batch shapes (batch size, source length, target length) of an epoch,
+* the padding's cost: token slots (source + target positions) of the padded batches / those of
+  the batches as fairseq makes them - 1,
+* how ``--ls-cuda-graphs`` (eager at a shape's first sighting, captured at its second, replayed
+  from then on, at most ``--ls-cuda-graphs-max`` shapes kept, least recently used dropped) runs
+  the steps of epochs 1 and 2, batches shuffled per epoch as fairseq's iterator does.
+
+    python bench/shape_buckets.py --sentences 40000 400000 4500000 --max-tokens 8192 16384
+"""
+import argparse
+import collections
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import wmt_like_lengths  # noqa: E402
+from fairseq.data import data_utils  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
+
+
+def batches(sentences, max_tokens, seed):
+    src, tgt = wmt_like_lengths(np.random.default_rng(seed), sentences)
+    src, tgt = src + 1, tgt + 1  # fairseq-preprocess appends end-of-sentence
+    indices = np.random.default_rng(seed).permutation(sentences).astype(np.int64)
+    indices = indices[np.argsort(tgt[indices], kind="mergesort")]  # ordered_indices()
+    indices = indices[np.argsort(src[indices], kind="mergesort")]
+    num_tokens = np.maximum(src, tgt)
+    out = data_utils.batch_by_size(indices, lambda i: num_tokens[i], max_tokens=max_tokens,
+                                   required_batch_size_multiple=8,
+                                   num_tokens_vec=num_tokens[indices])
+    return [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
+
+
+def simulate(raw, buckets, epochs, max_graphs, seed):
+    """Runs ``epochs`` epochs of the batches ``raw`` (shuffled per epoch) through the padding
+    (``buckets``, None: none) and --ls-cuda-graphs' policy. Returns the padded shapes met and,
+    per epoch, the (eager, captured, replayed) step counts."""
+    rng = np.random.default_rng(seed + 1)
+    seen, kept, per_epoch, padded = collections.Counter(), collections.OrderedDict(), [], []
+    for _ in range(epochs):
+        counts = collections.Counter()
+        for i in rng.permutation(len(raw)):
+            key = buckets.shape_for(raw[i]) if buckets else raw[i]
+            padded.append(key)
+            if key in kept:
+                kept.move_to_end(key)
+                counts["replayed"] += 1
+                continue
+            seen[key] += 1
+            if seen[key] == 1:
+                counts["eager"] += 1
+                continue
+            counts["captured"] += 1
+            kept[key] = True
+            while len(kept) > max_graphs:
+                kept.popitem(last=False)
+        per_epoch.append(counts)
+    return padded, per_epoch
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sentences", type=int, nargs="+", default=[40000, 400000, 4500000])
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--grids", nargs="+", default=["0", "16:0", "16:0.2", "8:0.2", "4:0"],
+                    help="--ls-shape-buckets:--ls-shape-bucket-slack pairs (0: no padding)")
+    ap.add_argument("--max-graphs", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    print("| sentences | max-tokens | batches/epoch | buckets : slack | shapes | padding cost | "
+          "epoch 1 eager / captured / replayed | epoch 2 eager / captured / replayed |")
+    print("|---:|---:|---:|---|---:|---:|---|---|")
+    for n in args.sentences:
+        for mt in args.max_tokens:
+            raw = batches(n, mt, args.seed)
+            for grid in args.grids:
+                steps, _, slack = grid.partition(":")
+                buckets = ShapeBuckets(int(steps), float(slack or 0)) if int(steps) else None
+                padded, (e1, e2) = simulate(raw, buckets, 2, args.max_graphs, args.seed)
+                cost = sum(map(token_slots, padded)) / (2 * sum(map(token_slots, raw))) - 1
+                fmt = lambda c: " / ".join(f"{c[k] / len(raw):.0%}" for k in  # noqa: E731
+                                           ("eager", "captured", "replayed"))
+                label = "off" if buckets is None else f"{steps} : {float(slack or 0):g}"
+                print(f"| {n:,} | {mt} | {len(raw):,} | {label} | {len(set(padded)):,} | "
+                      f"{cost:.1%} | {fmt(e1)} | {fmt(e2)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
