@@ -25,6 +25,10 @@ smoothing 0.1, shared embeddings), --fp16.
 
     python bench/e2e.py --max-tokens 8192 --markdown $OUT/e2e.md --json $OUT/e2e.json
 
+The default corpus (40k pairs, 190 batches at 8192 tokens) meets each batch shape once per epoch;
+``--sentences 400000 --epochs 1`` gives a first epoch closer to a real corpus's (1,666 batches, whose
+shapes and padded shapes repeat within the epoch, ``bench/shape_buckets.py``).
+
 MFU counts 1.27 GFLOP per target token (transformer big, forward + backward) against the
 measured dense fp16 matrix rate of the device (--peak-tflops, 800 on the H100 here).
 """
