@@ -116,8 +116,9 @@ def test_replay_matches_eager(dictionary, dtype, dropout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
-    """--ls-shape-buckets: five batches of five different shapes are padded to one shape, so
-    from the third on they replay its graphs although their own shapes were never seen. Losses
+    """--ls-shape-buckets: seven batches of five different shapes (updates of one and two
+    micro-batches) are padded to one shape, so from the second on they replay its graphs (the
+    second captures them) although their own shapes were mostly never seen. Losses
     and gradients are those of the unpadded batch run eagerly (dropout 0; tolerances as above,
     query/key projection gradients measured as in test_model_equivalence)."""
     task = DummyTask(dictionary)
@@ -132,8 +133,11 @@ def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     scale = 1.0 if dtype == torch.float32 else 128.0
     # (8, 13, 11) pads to (8, 14, 12); the others fit in it within 1.5x their token slots
-    for i, shape in enumerate([(8, 13, 11), (7, 14, 12), (8, 12, 10), (6, 13, 12), (8, 13, 12)]):
+    shapes = [(8, 13, 11), (7, 14, 12), (8, 12, 10), (6, 13, 12), (8, 13, 12)]
+    for i, shape in enumerate(shapes):
         samples = [_sample(dictionary, shape, 300 + i)]
+        if i % 2 == 1:  # --update-freq 2
+            samples.append(_sample(dictionary, shapes[(i + 1) % len(shapes)], 400 + i))
         logs_e, grads_e = _step(eager, m1, samples, scale, seed=i)
         logs_g, grads_g = _step(graphed, m2, samples, scale, seed=i)
         for (le, ne), (lg, ng) in zip(logs_e, logs_g):
@@ -146,7 +150,7 @@ def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
                 p1.add_(p1.grad, alpha=-1e-3 / scale)
                 p2.copy_(p1)
     assert graphed.shape_buckets.shapes == [(8, 14, 12)]
-    assert dict(graphed.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 4}
+    assert dict(graphed.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 6}
 
 
 def test_replays_draw_new_dropout_masks(dictionary):
