@@ -77,7 +77,7 @@ def test_shape_for_reuses_the_cheapest_earlier_shape_within_the_slack():
 
 def test_shape_for_holds_the_batch_and_bounds_the_cost():
     g = torch.Generator().manual_seed(0)
-    for steps, slack in [(16, 0.2), (8, 0.0), (4, 0.5), (3, 0.1)]:
+    for steps, slack in [(16, 0.2), (8, 0.0), (4, 0.5), (2, 0.1)]:
         sb = ShapeBuckets(steps, slack)
         for _ in range(3000):
             shape = tuple(int(x) for x in torch.randint(1, 300, (3,), generator=g))
@@ -89,7 +89,18 @@ def test_shape_for_holds_the_batch_and_bounds_the_cost():
         assert len(set(sb.shapes)) == len(sb.shapes)
 
 
+@pytest.mark.parametrize("steps", [4, 8, 16, 32])
+@pytest.mark.parametrize("multiple", [2, 8, 64])
+def test_grid_keeps_power_of_two_length_multiples(steps, multiple):
+    """fairseq's --required-seq-len-multiple pads lengths to a multiple (for tensor cores). The
+    grid's steps are powers of two (--ls-shape-buckets must be one), so a length that is a
+    multiple of a power of two stays one, and every padded shape is a grid shape."""
+    for n in range(multiple, 3000, multiple):
+        assert bucket(n, steps) % multiple == 0, (n, steps, multiple)
+
+
 @pytest.mark.parametrize("steps,slack,flag", [(-1, 0.2, "--ls-shape-buckets"),
+                                              (12, 0.2, "--ls-shape-buckets .* power of two"),
                                               (16, -0.1, "--ls-shape-bucket-slack")])
 def test_bad_flags_name_themselves(dictionary, steps, slack, flag):
     with pytest.raises(ValueError, match=flag):

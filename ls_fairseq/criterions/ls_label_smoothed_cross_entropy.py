@@ -69,7 +69,7 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                               "shape on a grid with this many steps per doubling of its batch "
                               "size, source and target length, or to an earlier batch's padded "
                               "shape within --ls-shape-bucket-slack, so few shapes are captured "
-                              "(0: no padding, one graph per batch shape)"},
+                              "(a power of two; 0: no padding, one graph per batch shape)"},
     )
     ls_shape_bucket_slack: float = field(
         default=0.2, metadata={"help": "with --ls-shape-buckets: a batch reuses an earlier "

@@ -72,8 +72,11 @@ class ShapeBuckets:
     are its own (no process-wide state)."""
 
     def __init__(self, steps: int, slack: float):
-        if steps < 0:
-            raise ValueError(f"--ls-shape-buckets must be >= 0 (0: no padding), got {steps}")
+        if steps < 0 or steps & (steps - 1):
+            # powers of two: grid steps are then powers of two too, so lengths padded to a
+            # multiple of a power of two (--required-seq-len-multiple) stay multiples of it
+            raise ValueError(f"--ls-shape-buckets must be 0 (no padding) or a power of two, "
+                             f"got {steps}")
         if slack < 0:
             raise ValueError(f"--ls-shape-bucket-slack must be >= 0, got {slack}")
         self.steps, self.slack = steps, slack
