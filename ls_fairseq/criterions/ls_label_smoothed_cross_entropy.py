@@ -38,7 +38,6 @@ from .. import distributed_stats, ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from . import shape_buckets
 from .cuda_graphs import CudaGraphedLoss
-from .shape_buckets import ShapeBuckets
 from .host_scalars import for_logging, to_host
 
 logger = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     @staticmethod
     def _shape_buckets(task, steps, slack):
         """(ShapeBuckets, shape_buckets.Tokens) for --ls-shape-buckets, or (None, None)."""
-        buckets = ShapeBuckets(steps, slack)  # checks the flags
+        buckets = shape_buckets.ShapeBuckets(steps, slack)  # checks the flags
         if steps == 0:
             return None, None
         cfg = getattr(task, "cfg", None)
