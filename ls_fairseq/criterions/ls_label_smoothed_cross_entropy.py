@@ -106,18 +106,18 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
         self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max,
                                       bucket_mb=ls_all_reduce_bucket_mb) if ls_cuda_graphs else None
-        self.shape_buckets, self._pad_tokens = self._shape_buckets(
-            task, ls_shape_buckets, ls_shape_bucket_slack) if ls_cuda_graphs else (None, None)
+        self.shape_buckets = self._shape_buckets(
+            task, ls_shape_buckets, ls_shape_bucket_slack) if ls_cuda_graphs else None
         self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
         if ls_async_stats:
             distributed_stats.install()
 
     @staticmethod
     def _shape_buckets(task, steps, slack):
-        """(ShapeBuckets, shape_buckets.Tokens) for --ls-shape-buckets, or (None, None)."""
-        buckets = shape_buckets.ShapeBuckets(steps, slack)  # checks the flags
+        """The ``ShapeBuckets`` of --ls-shape-buckets, or None (0, or a task it cannot pad)."""
+        buckets = shape_buckets.ShapeBuckets(steps, slack)  # checks the flags, whatever the task
         if steps == 0:
-            return None, None
+            return None
         cfg = getattr(task, "cfg", None)
         left_pad_source = getattr(cfg, "left_pad_source", None)
         src_dict = getattr(task, "source_dictionary", None)
@@ -128,21 +128,16 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                 "--ls-shape-buckets: batches are not padded (not a translation task that "
                 "right-pads its targets); --ls-cuda-graphs captures one graph per batch shape. "
                 "Pass --ls-shape-buckets 0 to silence this.")
-            return None, None
-        return buckets, shape_buckets.Tokens(src_dict.pad(), src_dict.eos(), tgt_dict.pad(),
-                                             tgt_dict.eos(), left_pad_source)
+            return None
+        buckets.tokens = shape_buckets.Tokens(src_dict.pad(), src_dict.eos(), tgt_dict.pad(),
+                                              tgt_dict.eos(), left_pad_source)
+        return buckets
 
     def _padded(self, model, sample):
         """The training batch padded up to its bucketed shape (``shape_buckets``), or as is."""
         if self.shape_buckets is None or not (model.training and torch.is_grad_enabled()):
             return sample
-        shape = shape_buckets.batch_shape(sample)
-        if shape is None:
-            return sample
-        padded = self.shape_buckets.shape_for(shape)
-        if padded == shape:
-            return sample
-        return shape_buckets.pad_batch(sample, padded, self._pad_tokens)
+        return self.shape_buckets.pad(sample)
 
     def _logging_output(self, loss, nll_loss, sample, n_correct=None, total=None):
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]

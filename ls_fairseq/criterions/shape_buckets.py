@@ -68,10 +68,10 @@ def token_slots(shape: Shape) -> int:
 
 
 class ShapeBuckets:
-    """Chooses each batch's padded shape. One instance per criterion: the shapes chosen so far
-    are its own (no process-wide state)."""
+    """Chooses each batch's padded shape and pads the batch (``pad``, which needs ``tokens``).
+    One instance per criterion: the shapes chosen so far are its own (no process-wide state)."""
 
-    def __init__(self, steps: int, slack: float):
+    def __init__(self, steps: int, slack: float, tokens: Optional["Tokens"] = None):
         if steps < 0 or steps & (steps - 1):
             # powers of two: grid steps are then powers of two too, so lengths padded to a
             # multiple of a power of two (--required-seq-len-multiple) stay multiples of it
@@ -79,8 +79,17 @@ class ShapeBuckets:
                              f"got {steps}")
         if slack < 0:
             raise ValueError(f"--ls-shape-bucket-slack must be >= 0, got {slack}")
-        self.steps, self.slack = steps, slack
+        self.steps, self.slack, self.tokens = steps, slack, tokens
         self.shapes: List[Shape] = []  # padded shapes chosen so far, in order of first use
+
+    def pad(self, sample: Dict) -> Dict:
+        """``sample`` padded up to its chosen shape, or ``sample`` itself when it is already
+        that shape or is not a batch ``pad_batch`` can pad."""
+        shape = batch_shape(sample)
+        if shape is None:
+            return sample
+        padded = self.shape_for(shape)
+        return sample if padded == shape else pad_batch(sample, padded, self.tokens)
 
     def shape_for(self, shape: Shape) -> Shape:
         """The cheapest earlier padded shape that holds ``shape`` within the slack, else
