@@ -14,11 +14,13 @@ On a GPU machine this script
 Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy, adam),
 ``baseline_nocudnn`` (the same with cuDNN SDPA disabled, the best baseline a careful user gets by
 a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
-``--ls-fused-fp16-copy``), ``ls_graphs`` (``ls`` plus ``--ls-cuda-graphs``: each batch shape
-runs eagerly at its first sighting, is captured at its second and replayed from then on, so its
-steady state needs a third epoch: --epochs 3), ``ls_deferred`` (``ls_graphs`` plus ls_adam's
-``--ls-deferred-overflow-check``: no update waits for the GPU; ``ls_deferred_nobuckets`` the
-same with ``--ls-shape-buckets 0``, one graph per batch shape), ``ls_plain_fp16`` (the ls_ twins
+``--ls-fused-fp16-copy``), ``ls_graphs`` (``ls`` plus ``--ls-cuda-graphs``: batches are
+padded to bucketed shapes, each captured at its first sighting and replayed from then on),
+``ls_deferred`` (``ls_graphs`` plus ls_adam's ``--ls-deferred-overflow-check``: no update waits
+for the GPU; ``ls_deferred_second`` the same with ``--ls-cuda-graphs-capture second-sighting``,
+a shape's first sighting eager; ``ls_deferred_nobuckets`` with ``--ls-shape-buckets 0``, one
+graph per batch shape, captured at its second sighting, so the steady state of the default
+corpus needs a third epoch: --epochs 3), ``ls_plain_fp16`` (the ls_ twins
 under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
 (Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
 smoothing 0.1, shared embeddings), --fp16.
@@ -70,6 +72,9 @@ VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"
 # one graph per batch shape, as before --ls-shape-buckets (on by default with --ls-cuda-graphs)
 VARIANTS["ls_deferred_nobuckets"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-shape-buckets", "0"])
+# a new padded shape's first sighting runs eagerly, its second is captured (before session 16)
+VARIANTS["ls_deferred_second"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
+    "flags"] + ["--ls-cuda-graphs-capture", "second-sighting"])
 # several GPUs only: the gradient all-reduce after the backward instead of during it (on one
 # GPU the same run as ls_graphs, whose 1-GPU figure bench/multi_gpu.py reuses)
 VARIANTS["ls_graphs_after"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",

@@ -10,9 +10,11 @@ criterion's ``ShapeBuckets``, fed the batches in training order) it prints
 * the distinct batch shapes (batch size, source length, target length) of an epoch,
 * the padding's cost: token slots (source + target positions) of the padded batches / those of
   the batches as fairseq makes them - 1,
-* how ``--ls-cuda-graphs`` (eager at a shape's first sighting, captured at its second, replayed
-  from then on, at most ``--ls-cuda-graphs-max`` shapes kept, least recently used dropped) runs
-  the steps of epochs 1 and 2, batches shuffled per epoch as fairseq's iterator does.
+* how ``--ls-cuda-graphs`` runs the steps of epochs 1 and 2 (batches shuffled per epoch as
+  fairseq's iterator does): eager, captured (the step is then the first replay) or replayed,
+  with the criterion's ``CapturePolicy`` (``--capture``, as ``--ls-cuda-graphs-capture``: auto
+  captures padded shapes at their first sighting, unpadded ones at their second) and at most
+  ``--ls-cuda-graphs-max`` shapes kept, least recently used dropped.
 
     python bench/shape_buckets.py --sentences 40000 400000 4500000 --max-tokens 8192 16384
 """
@@ -28,6 +30,7 @@ from e2e import wmt_like_lengths  # noqa: E402
 from fairseq.data import data_utils  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ls_fairseq.criterions.cuda_graphs import CapturePolicy  # noqa: E402
 from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
 
 
@@ -44,12 +47,12 @@ def batches(sentences, max_tokens, seed):
     return [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
 
 
-def simulate(raw, buckets, epochs, max_graphs, seed):
+def simulate(raw, buckets, epochs, max_graphs, seed, first_sighting):
     """Runs ``epochs`` epochs of the batches ``raw`` (shuffled per epoch) through the padding
     (``buckets``, None: none) and --ls-cuda-graphs' policy. Returns the padded shapes met and,
     per epoch, the (eager, captured, replayed) step counts."""
     rng = np.random.default_rng(seed + 1)
-    seen, kept, per_epoch, padded = collections.Counter(), collections.OrderedDict(), [], []
+    policy, kept, per_epoch, padded = CapturePolicy(first_sighting), collections.OrderedDict(), [], []
     for _ in range(epochs):
         counts = collections.Counter()
         for i in rng.permutation(len(raw)):
@@ -59,8 +62,11 @@ def simulate(raw, buckets, epochs, max_graphs, seed):
                 kept.move_to_end(key)
                 counts["replayed"] += 1
                 continue
-            seen[key] += 1
-            if seen[key] == 1:
+            rows, src_len, tgt_len = key  # as CudaGraphedLoss sees them: source, target
+            shapes = ((rows, src_len), (rows, tgt_len))
+            captured = policy.capture(None, shapes)
+            policy.ran(None, shapes)
+            if not captured:
                 counts["eager"] += 1
                 continue
             counts["captured"] += 1
@@ -78,24 +84,32 @@ def main():
     ap.add_argument("--grids", nargs="+", default=["0", "16:0", "16:0.2", "8:0.2", "4:0"],
                     help="--ls-shape-buckets:--ls-shape-bucket-slack pairs (0: no padding)")
     ap.add_argument("--max-graphs", type=int, default=256)
+    ap.add_argument("--capture", nargs="+", default=["auto"],
+                    choices=["auto", "first-sighting", "second-sighting"],
+                    help="--ls-cuda-graphs-capture policies to simulate")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    print("| sentences | max-tokens | batches/epoch | buckets : slack | shapes | padding cost | "
-          "epoch 1 eager / captured / replayed | epoch 2 eager / captured / replayed |")
-    print("|---:|---:|---:|---|---:|---:|---|---|")
+    print("| sentences | max-tokens | batches/epoch | buckets : slack | capture at | shapes | "
+          "padding cost | epoch 1 eager / captured / replayed | "
+          "epoch 2 eager / captured / replayed |")
+    print("|---:|---:|---:|---|---|---:|---:|---|---|")
     for n in args.sentences:
         for mt in args.max_tokens:
             raw = batches(n, mt, args.seed)
             for grid in args.grids:
                 steps, _, slack = grid.partition(":")
-                buckets = ShapeBuckets(int(steps), float(slack or 0)) if int(steps) else None
-                padded, (e1, e2) = simulate(raw, buckets, 2, args.max_graphs, args.seed)
-                cost = sum(map(token_slots, padded)) / (2 * sum(map(token_slots, raw))) - 1
-                fmt = lambda c: " / ".join(f"{c[k] / len(raw):.0%}" for k in  # noqa: E731
-                                           ("eager", "captured", "replayed"))
-                label = "off" if buckets is None else f"{steps} : {float(slack or 0):g}"
-                print(f"| {n:,} | {mt} | {len(raw):,} | {label} | {len(set(padded)):,} | "
-                      f"{cost:.1%} | {fmt(e1)} | {fmt(e2)} |", flush=True)
+                for capture in args.capture:
+                    buckets = ShapeBuckets(int(steps), float(slack or 0)) if int(steps) else None
+                    first = capture == "first-sighting" or (capture == "auto" and buckets)
+                    padded, (e1, e2) = simulate(raw, buckets, 2, args.max_graphs, args.seed,
+                                                bool(first))
+                    cost = sum(map(token_slots, padded)) / (2 * sum(map(token_slots, raw))) - 1
+                    fmt = lambda c: " / ".join(f"{c[k] / len(raw):.0%}" for k in  # noqa: E731
+                                               ("eager", "captured", "replayed"))
+                    label = "off" if buckets is None else f"{steps} : {float(slack or 0):g}"
+                    print(f"| {n:,} | {mt} | {len(raw):,} | {label} | "
+                          f"{'first' if first else 'second'} | {len(set(padded)):,} | "
+                          f"{cost:.1%} | {fmt(e1)} | {fmt(e2)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ them (30 ms). A replayed CUDA graph issues the same kernels with one call.
 
 How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 
-* The first time a batch shape (the shapes and dtypes of ``net_input`` and ``target``) is seen,
-  the step runs eagerly as usual (lazily grown tables, kernel loading). At the second sighting
-  the criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad``
-  of the loss into a second, which adds the gradients into fixed accumulator buffers; from then
-  on the shape is replayed. Before the first capture, one more eager step on the capture stream
+* A batch shape (the shapes and dtypes of ``net_input`` and ``target``) not kept captured is
+  captured at its second sighting; its first sighting runs eagerly as usual (lazily grown
+  tables). With ``capture_first_sighting`` (the criterion's default when batches are padded to
+  bucketed shapes, which recur) it is captured at once, unless it is larger in some dimension
+  than every step run so far (``CapturePolicy``). Capturing means: the criterion's forward
+  (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
+  second, which adds the gradients into fixed accumulator buffers; the step itself is then the
+  first replay. Before the first capture, one more eager step on the capture stream
   (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
   later shapes capture without it (``bench/capture_cost.py``: a capture then costs 63 instead of
   105 ms for transformer big at ~6.7k tokens, against 54 ms for an eager step).
@@ -73,6 +76,39 @@ class _Graphs:
         self.fwd = fwd
         self.bwd = bwd
         self.ready = ready  # per gradient bucket, the external event the backward replay records
+
+
+class CapturePolicy:
+    """When a batch shape that has no graphs is captured rather than run eagerly.
+
+    A shape's first sighting runs eagerly: whatever the model grows lazily for larger inputs
+    (fairseq's sinusoidal positional table, grown to the longest sequence seen) grows outside
+    a capture, where it would be captured into graph memory instead of allocated once. Its
+    second sighting is captured. With ``first_sighting``, a shape is captured at its first
+    sighting too, unless some dimension of some input exceeds the largest run so far (of the
+    same inputs, dtypes and ranks): then nothing can need growing. In a shuffled epoch that
+    leaves a few dozen eager steps (each dimension's running maximum rises ~log(n) times).
+    Used by ``bench/shape_buckets.py`` as well."""
+
+    def __init__(self, first_sighting: bool = False):
+        self.first_sighting = first_sighting
+        self.sightings = collections.Counter()
+        self.largest = {}  # signature -> per input, the largest size of each dimension run
+
+    def capture(self, signature, shapes) -> bool:
+        """Counts a sighting of (signature, shapes), a shape without graphs; True: capture it."""
+        self.sightings[signature, shapes] += 1
+        if self.sightings[signature, shapes] >= 2:
+            return True
+        largest = self.largest.get(signature)
+        return self.first_sighting and largest is not None and all(
+            n <= m for shape, top in zip(shapes, largest) for n, m in zip(shape, top))
+
+    def ran(self, signature, shapes):
+        """A step of these shapes ran (eagerly or captured)."""
+        largest = self.largest.get(signature)
+        self.largest[signature] = shapes if largest is None else tuple(
+            tuple(map(max, shape, top)) for shape, top in zip(shapes, largest))
 
 
 class _PendingReduce:
@@ -139,13 +175,14 @@ class CudaGraphedLoss:
     outputs (``nll_loss``, accuracy counts) come back without gradient.
     """
 
-    def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0):
+    def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0,
+                 capture_first_sighting: bool = False):
         if bucket_mb < 0:
             raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
         self.max_graphs = max_graphs
         self.bucket_mb = bucket_mb  # 0: no all-reduce during the backward
         self._graphs = collections.OrderedDict()  # key -> _Graphs, least recently used first
-        self._sightings = collections.Counter()
+        self.policy = CapturePolicy(capture_first_sighting)
         self._pool = None
         self._stream = None
         self._model_ref = None
@@ -176,21 +213,21 @@ class CudaGraphedLoss:
         sync = ddp is not None and not ddp.accumulate_grads  # an update's last micro-batch
         if self._pending is not None:
             if self._pending() is not None:  # a replayed loss still waits for its backward
-                return self._eager(model, sample, compute, sync and ddp)
+                return self._eager(model, sample, compute, sync and ddp, key)
             self._pending = None
         self._check_aliases()  # drops the graphs if a parameter's storage was replaced
         graphs = self._graphs.get(key)
         if graphs is None:
-            self._sightings[key] += 1
-            if self._sightings[key] == 1:  # first sighting: eager (it also grows lazy tables)
-                return self._eager(model, sample, compute, sync and ddp)
+            if not self.policy.capture(*key):
+                return self._eager(model, sample, compute, sync and ddp, key)
             graphs = self._capture(model, sample, compute, record_ready=ddp is not None)
+            self.policy.ran(*key)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
             n = self.stats["captured"]
             if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: enough to follow, not one line per shape
                 logger.info(f"--ls-cuda-graphs: captured {n} batch shape(s) so far "
-                            f"(latest {list(key[3][-1][0])} target tokens)")
+                            f"(latest {list(key[1][-1])} target tokens)")
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
         else:
@@ -202,7 +239,8 @@ class CudaGraphedLoss:
     # -- internals ---------------------------------------------------------------------------
 
     def _key(self, model, sample):
-        """Shape key of a graphable call, or None when this call must run eagerly."""
+        """Shape key of a graphable call, (signature, shapes), or None when this call must run
+        eagerly. The signature is what the shapes do not say (model, input names and dtypes)."""
         if not (torch.is_grad_enabled() and model.training):
             return None
         net_input, target = sample.get("net_input"), sample.get("target")
@@ -223,16 +261,18 @@ class CudaGraphedLoss:
                 "c10d / pytorch_ddp): it all-reduces gradients from per-parameter autograd "
                 "hooks that graph replay bypasses. Use --ddp-backend legacy_ddp (or no_c10d), "
                 "or drop --ls-cuda-graphs.")
-        return (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
-                tuple((tuple(t.shape), t.dtype, t.device) for t in tensors))
+        signature = (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
+                     tuple((t.dim(), t.dtype, t.device) for t in tensors))
+        return signature, tuple(tuple(t.shape) for t in tensors)
 
-    def _eager(self, model, sample, compute, sync_ddp=None):
+    def _eager(self, model, sample, compute, sync_ddp, key):
         """An eager training step whose backward accumulates into the flat buffers, as a
         replay's does: with several GPUs every rank then all-reduces the same buffers in the
         same calls whether its step replayed or not."""
         self.stats["eager"] += 1
         self._bind_accumulators()
         out = compute(model, sample)
+        self.policy.ran(*key)
         if not sync_ddp:
             return out
         self._expect_reduce(sync_ddp, None)

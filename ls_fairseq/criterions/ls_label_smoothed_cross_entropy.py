@@ -12,8 +12,11 @@ On the GPU the gradient is written over the logits buffer (nothing else needs it
 It needs a decoder whose output layer is ``decoder.output_projection`` (no adaptive softmax).
 
 ``--ls-cuda-graphs`` (opt-in) replays the training forward and backward of each batch shape as
-CUDA graphs after its first sighting (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued
-without Python's per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
+CUDA graphs (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued without Python's
+per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
+``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
+when batches are padded to bucketed shapes, which recur) or at its second (``auto`` otherwise:
+one-off shapes then never pay for a capture).
 
 ``--ls-shape-buckets N`` (with ``--ls-cuda-graphs``; 16 unless set, 0: off) pads each training
 batch up to one of a few hundred shapes (``shape_buckets``), so the graphs of a WMT14-sized corpus
@@ -33,6 +36,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
+from fairseq.dataclass import ChoiceEnum
 
 from .. import distributed_stats, ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
@@ -58,6 +62,13 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
         default=False,
         metadata={"help": "replay the training forward+backward of each batch shape as CUDA "
                   "graphs from its second sighting on (not with --ddp-backend c10d)"},
+    )
+    ls_cuda_graphs_capture: ChoiceEnum(["auto", "first-sighting", "second-sighting"]) = field(
+        default="auto",
+        metadata={"help": "with --ls-cuda-graphs: capture a batch shape at its first sighting "
+                  "(unless it is larger in some dimension than every step so far: then at its "
+                  "second) or at its second sighting (the first runs eagerly); auto: first "
+                  "when batches are padded to bucketed shapes (--ls-shape-buckets), else second"},
     )
     ls_cuda_graphs_max: int = field(
         default=256, metadata={"help": "most batch shapes kept captured by --ls-cuda-graphs "
@@ -96,18 +107,26 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
-                 ls_cuda_graphs=False, ls_cuda_graphs_max=256, ls_shape_buckets=16,
-                 ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0, ls_async_stats=False):
+                 ls_cuda_graphs=False, ls_cuda_graphs_capture="auto", ls_cuda_graphs_max=256,
+                 ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
+                 ls_async_stats=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         if ls_cuda_graphs and ls_cuda_graphs_max < 1:
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
-        self.graphs = CudaGraphedLoss(max_graphs=ls_cuda_graphs_max,
-                                      bucket_mb=ls_all_reduce_bucket_mb) if ls_cuda_graphs else None
+        capture = str(ls_cuda_graphs_capture)
+        if capture not in ("auto", "first-sighting", "second-sighting"):
+            raise ValueError("--ls-cuda-graphs-capture must be auto, first-sighting or "
+                             f"second-sighting, got {capture!r}")
         self.shape_buckets = self._shape_buckets(
             task, ls_shape_buckets, ls_shape_bucket_slack) if ls_cuda_graphs else None
+        if capture == "auto":
+            capture = "first-sighting" if self.shape_buckets is not None else "second-sighting"
+        self.graphs = CudaGraphedLoss(
+            max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
+            capture_first_sighting=capture == "first-sighting") if ls_cuda_graphs else None
         self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
         if ls_async_stats:
             distributed_stats.install()

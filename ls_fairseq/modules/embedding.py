@@ -31,6 +31,7 @@ class TransformerEmbedding(nn.Module):
         self.zero_pad = zero_pad
         self.max_positions = max_positions
         self.side = side  # "source" or "target": names the --max-*-positions flag in errors
+        self._outgrown = []  # sinusoidal tables replaced by larger ones (see positional_table)
 
     def positional_table(self, embed_positions: Optional[nn.Module], seq_len: int):
         if embed_positions is None:
@@ -38,6 +39,10 @@ class TransformerEmbedding(nn.Module):
         needed = self.padding_idx + 1 + seq_len
         if isinstance(embed_positions, SinusoidalPositionalEmbedding):
             if needed > embed_positions.weights.size(0):  # grow, as fairseq does; no cap
+                # CUDA graphs captured before (--ls-cuda-graphs) read the old table's memory: it
+                # is kept alive, and its rows are the new table's first rows (a row depends
+                # only on its position), so their replays stay right
+                self._outgrown.append(embed_positions.weights)
                 embed_positions.weights = SinusoidalPositionalEmbedding.get_embedding(
                     needed, embed_positions.embedding_dim, self.padding_idx
                 ).to(embed_positions.weights)

@@ -146,6 +146,36 @@ def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
     assert dict(graphed.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 6}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_first_sighting_captures_match_eager(dictionary, dtype):
+    """--ls-cuda-graphs-capture first-sighting: a new shape no larger in any dimension than the
+    steps run so far is captured at once (the step is the capture's first replay); the first
+    step and larger shapes run eagerly. The positional tables start small (16 positions), so
+    the longer steps grow them, eagerly, after some graphs were captured: those graphs' later
+    replays read the outgrown tables. Losses and gradients match eager steps (dropout 0.2:
+    replays draw the eager steps' masks; tolerances as above)."""
+    extra = SMALL + ["--dropout", "0.2", "--attention-dropout", "0.2", "--activation-dropout",
+                     "0.2", "--max-source-positions", "16", "--max-target-positions", "16"]
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(
+        task, ls_cuda_graphs=True, ls_cuda_graphs_capture="first-sighting", **kwargs)
+    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    updates = [[(8, 29, 31)],                # eager: nothing ran before
+               [(5, 13, 11)],                # captured at its first sighting
+               [(3, 7, 20), (5, 13, 11)],    # captured; replayed
+               [(8, 29, 31)],                # captured (second sighting)
+               [(9, 13, 11)],                # eager: more rows than any step so far
+               [(6, 40, 12)],                # eager: a longer source (its table grows)
+               [(9, 13, 11), (3, 7, 20)],    # captured; replayed (captured before the growth)
+               [(5, 13, 11), (6, 40, 12)]]   # replayed; captured
+    _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=500)
+    assert dict(graphed.graphs.stats) == {"eager": 3, "captured": 5, "replayed": 8}
+    assert len(m2.encoder.embedding._outgrown) == 2  # grown at (8, 29, 31) and (6, 40, 12)
+
+
 def test_replays_draw_new_dropout_masks(dictionary):
     _, graphed, _, model = _pair(dictionary, torch.float32, 0.3)
     sample = _sample(dictionary, (6, 17, 19), 1)
