@@ -8,7 +8,9 @@ second sighting (split into the warm-up step, the captured forward and backward,
 ``--warm-up once`` (default) is the product's behaviour: the capture stream runs one eager warm-up
 step before its first capture. ``every-shape`` warms it up before every capture, as the product
 did until session 10. Prints a table: median wall ms per phase, synchronised, and how many
-captures failed.
+captures failed; then the device memory each further captured shape keeps (its pair of graphs):
+in the allocator's pool (``memory_reserved``) and outside it (``mem_get_info`` used minus
+reserved: the instantiated graphs' own memory), averaged over the shapes after the first.
 """
 import argparse
 import collections
@@ -66,6 +68,7 @@ def main():
     runner._captured = timed("captured fn + capture_end", runner._captured)
     g = torch.Generator().manual_seed(0)
     failures = 0
+    memory = []  # per shape, after its replays: (reserved, used outside the allocator) bytes
     for i in range(args.shapes):
         t_len = 12 + (i * 7) % 60
         bsz = max(1, args.tokens // t_len)
@@ -89,11 +92,19 @@ def main():
                 print(f"shape {i} {phase}: FAILED {str(e)[:300]}", flush=True)
                 break
             times[phase].append((time.perf_counter() - t) * 1e3)
+        free, total = torch.cuda.mem_get_info()
+        reserved = torch.cuda.memory_reserved()
+        memory.append((reserved, total - free - reserved))
     print(f"\n--warm-up {args.warm_up}: {args.shapes} shapes, {failures} failed, "
           f"stats {dict(runner.stats)}")
     print("| phase | median ms | calls |\n|---|---|---|")
     for name, v in times.items():
         print(f"| {name} | {sorted(v)[len(v) // 2]:.1f} | {len(v)} |")
+    if len(memory) > 1:
+        n = len(memory) - 1
+        pool, outside = ((memory[-1][k] - memory[0][k]) / n / 2**20 for k in (0, 1))
+        print(f"\nper further captured shape (mean of {n}): {pool:.1f} MiB in the allocator's pool, "
+              f"{outside:.1f} MiB outside it")
 
 
 if __name__ == "__main__":
