@@ -139,6 +139,20 @@ if os.environ.get("BENCH_CUDNN_SDPA") == "0":
 # fairseq resets the peak counter at every log interval and logs gb_free = total - peak since
 # the last reset; the peak of the run is total - min(gb_free)
 print("BENCH_TOTAL_BYTES", torch.cuda.get_device_properties(0).total_memory, flush=True)
+# fairseq's figure is allocated memory. What the process holds is more: the allocator's cache,
+# the CUDA graphs' private pool (--ls-cuda-graphs), the graphs themselves, the CUDA context.
+# Sampled where fairseq resets its peak counter (every update), every 10th call.
+_held = [0, 0, 0]  # calls, max memory_reserved, max device memory used (total - free)
+_reset = torch.cuda.reset_peak_memory_stats
+def _reset_and_sample(*a, **k):
+    _held[0] += 1
+    if _held[0] % 10 == 1:
+        free, total = torch.cuda.mem_get_info()
+        _held[1] = max(_held[1], torch.cuda.memory_reserved())
+        _held[2] = max(_held[2], total - free)
+    return _reset(*a, **k)
+torch.cuda.reset_peak_memory_stats = _reset_and_sample
+atexit.register(lambda: print("BENCH_HELD_BYTES", _held[1], _held[2], flush=True))
 if os.environ.get("BENCH_PROFILE_AT"):
     sys.path.insert(0, os.environ["BENCH_HERE"])
     import profile_summary
@@ -189,7 +203,8 @@ def parse_log(text):
     total = re.findall(r"BENCH_TOTAL_BYTES (\d+)", text)
     free = [float(s["gb_free"]) for s in inner if "gb_free" in s]
     peak = int(total[-1]) - min(free) * 2**30 if total and free else None
-    return inner, epochs, peak
+    held = re.findall(r"BENCH_HELD_BYTES (\d+) (\d+)", text)
+    return inner, epochs, peak, (tuple(int(x) / 2**30 for x in held[-1]) if held else (None, None))
 
 
 def time_weighted_wps(stats):
@@ -229,12 +244,14 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     if proc.returncode != 0:
         oom = "out of memory" in log.lower()
         return {"variant": variant, "max_tokens": max_tokens, "error": "OOM" if oom else log[-1500:]}
-    inner, epochs, peak = parse_log(log)
+    inner, epochs, peak, (reserved_gb, device_gb) = parse_log(log)
     if profile_at is not None:
         found = re.findall(r"BENCH_PROFILE (\{.*\})", log)
         return {"variant": variant, "max_tokens": max_tokens,
                 "profile": json.loads(found[-1]) if found else None}
-    row = {"variant": variant, "max_tokens": max_tokens, "wall_s": wall, "peak_gb": peak / 2**30 if peak else None}
+    row = {"variant": variant, "max_tokens": max_tokens, "wall_s": wall,
+           "peak_gb": peak / 2**30 if peak else None, "reserved_gb": reserved_gb,
+           "device_gb": device_gb}
     row["wps_by_epoch"] = [float(epochs[e]["wps"]) for e in sorted(epochs)]
     row["updates_through_epoch"] = [int(epochs[e]["num_updates"]) for e in sorted(epochs)]
     for e, key in ((1, "unseen"), (max(epochs, default=2), "steady")):
@@ -261,9 +278,9 @@ def markdown(rows):
     the MFU and the steady ratio use the second."""
     lines = ["| max-tokens | variant | wps unseen (epoch 1) | wps steady (last epoch) | "
              "wps steady (intervals) | wps per epoch | upd/s steady | peak mem GB | "
-             "MFU steady (intervals) | ls_/best-baseline unseen | ls_/best-baseline steady "
-             "(intervals) | mem ls_/baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "reserved / device GB | MFU steady (intervals) | ls_/best-baseline unseen | "
+             "ls_/best-baseline steady (intervals) | mem ls_/baseline | device ls_/baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_mt = {}
     for r in rows:
         by_mt.setdefault(r["max_tokens"], {})[r["variant"]] = r
@@ -272,22 +289,26 @@ def markdown(rows):
         best_u = max((b.get("wps_unseen", 0) for b in bases), default=None)
         best_s = max((b.get("wps_steady_intervals") or 0 for b in bases), default=None)
         base_mem = next((b.get("peak_gb") for b in bases), None)
+        base_dev = next((b.get("device_gb") for b in bases), None)
         for name, r in group.items():
             if "error" in r:
-                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | | |")
+                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | | | | |")
                 continue
-            ratio_u = ratio_s = mem = None
+            ratio_u = ratio_s = mem = dev = None
             if name.startswith("ls") and best_u:
                 ratio_u = r.get("wps_unseen", 0) / best_u
                 ratio_s = (r.get("wps_steady_intervals") or 0) / best_s if best_s else None
                 mem = r["peak_gb"] / base_mem if base_mem and r.get("peak_gb") else None
+                dev = r["device_gb"] / base_dev if base_dev and r.get("device_gb") else None
             lines.append(
                 f"| {mt} | {name} | {fmt(r.get('wps_unseen'), ',.0f')} | {fmt(r.get('wps_steady'), ',.0f')} | "
                 f"{fmt(r.get('wps_steady_intervals'), ',.0f')} | "
                 f"{' / '.join(format(w, ',.0f') for w in r.get('wps_by_epoch', []))} | "
                 f"{fmt(r.get('ups_steady'), '.2f')} | {fmt(r.get('peak_gb'), '.1f')} | "
+                f"{fmt(r.get('reserved_gb'), '.1f')} / {fmt(r.get('device_gb'), '.1f')} | "
                 f"{fmt(r.get('mfu_steady_intervals'), '.1%')} | {fmt(ratio_u, '.2f')}× | "
-                f"{fmt(ratio_s, '.2f')}× | {fmt(mem, '.2f')} |".replace("–×", "–"))
+                f"{fmt(ratio_s, '.2f')}× | {fmt(mem, '.2f')} | {fmt(dev, '.2f')} |"
+                .replace("–×", "–"))
     return "\n".join(lines)
 
 
