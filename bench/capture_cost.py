@@ -94,7 +94,7 @@ def main():
             times[phase].append((time.perf_counter() - t) * 1e3)
         free, total = torch.cuda.mem_get_info()
         reserved = torch.cuda.memory_reserved()
-        memory.append((reserved, total - free - reserved))
+        memory.append((reserved, total - free - reserved, torch.cuda.memory_allocated()))
     print(f"\n--warm-up {args.warm_up}: {args.shapes} shapes, {failures} failed, "
           f"stats {dict(runner.stats)}")
     print("| phase | median ms | calls |\n|---|---|---|")
@@ -102,9 +102,11 @@ def main():
         print(f"| {name} | {sorted(v)[len(v) // 2]:.1f} | {len(v)} |")
     if len(memory) > 1:
         n = len(memory) - 1
-        pool, outside = ((memory[-1][k] - memory[0][k]) / n / 2**20 for k in (0, 1))
-        print(f"\nper further captured shape (mean of {n}): {pool:.1f} MiB in the allocator's pool, "
-              f"{outside:.1f} MiB outside it")
+        pool, outside, live = ((memory[-1][k] - memory[0][k]) / n / 2**20 for k in (0, 1, 2))
+        print(f"\nper further captured shape (mean of {n}): {pool:.1f} MiB reserved by the "
+              f"allocator ({live:.1f} MiB of it allocated), {outside:.1f} MiB outside it; "
+              f"reserved after each shape (GiB): "
+              f"{' '.join(f'{m[0] / 2**30:.2f}' for m in memory)}")
 
 
 if __name__ == "__main__":
