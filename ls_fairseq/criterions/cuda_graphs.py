@@ -22,7 +22,7 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
   accumulators become the parameters' ``.grad`` (zeroed when fairseq has set ``.grad`` to None),
   so ``--update-freq`` accumulation, gradient clipping and every fairseq optimizer wrapper work
-  unchanged. Eager steps (a shape's first sighting) accumulate into the same buffers: with
+  unchanged. Eager steps (e.g. a shape's first sighting) accumulate into the same buffers: with
   several GPUs every rank then all-reduces the same flat buffers in the same NCCL calls, whether
   its step was replayed or not (otherwise a rank running fairseq's packed all-reduce next to one
   all-reducing padded flat buffers would pair collectives of different sizes).
@@ -469,10 +469,12 @@ class CudaGraphedLoss:
         undone, before the first capture (as torch's make_graphed_callables does): the libraries
         set up what they keep per stream (cuBLAS workspace and handles) outside a capture. In
         session 3, captures without any warm-up failed in cublasGemmEx
-        (CUBLAS_STATUS_EXECUTION_FAILED) on the H100. Once the stream is set up, a shape's own
-        kernels are already loaded by its eager first sighting: session 10 captured 24 shapes
+        (CUBLAS_STATUS_EXECUTION_FAILED) on the H100. Once the stream is set up, shapes capture
+        without it, also at their first sighting (kernels not loaded yet then load during the
+        capture, which CUDA drivers from 12.3 on allow): session 10 captured 24 shapes
         (``bench/capture_cost.py``) and fairseq-train's 190 (``bench/e2e.py``) with this one
-        warm-up."""
+        warm-up, session 16 fairseq-train's 211 padded shapes of a 400k-pair corpus, most at
+        their first sighting."""
         rng = torch.cuda.get_rng_state()
         with torch.cuda.stream(self._stream):
             outputs = self._run(model, sample, compute)

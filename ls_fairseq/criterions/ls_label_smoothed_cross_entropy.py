@@ -61,7 +61,8 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
     ls_cuda_graphs: bool = field(
         default=False,
         metadata={"help": "replay the training forward+backward of each batch shape as CUDA "
-                  "graphs from its second sighting on (not with --ddp-backend c10d)"},
+                  "graphs (captured as --ls-cuda-graphs-capture says; not with --ddp-backend "
+                  "c10d)"},
     )
     ls_cuda_graphs_capture: ChoiceEnum(["auto", "first-sighting", "second-sighting"]) = field(
         default="auto",

@@ -1,7 +1,7 @@
 """Batches padded up to a few bucketed shapes, so CUDA graphs are replayed from the first epoch on.
 
 Why: ``--ls-cuda-graphs`` captures one graph pair per batch shape (batch size, source length,
-target length) at the shape's second sighting and replays it from the third. fairseq's batches
+target length) and replays it at the shape's later sightings. fairseq's batches
 (``--max-tokens``) have many shapes: ``bench/shape_buckets.py`` finds 3,952 in an epoch of a
 WMT14-sized corpus (4.5M pairs) at 8192 tokens, so with at most 256 graphs kept most steps run
 eagerly or pay for a capture (a capture costs more than an eager step).
