@@ -81,10 +81,10 @@ class _Graphs:
 class CapturePolicy:
     """When a batch shape that has no graphs is captured rather than run eagerly.
 
-    A shape's first sighting runs eagerly: whatever the model grows lazily for larger inputs
-    (fairseq's sinusoidal positional table, grown to the longest sequence seen) grows outside
-    a capture, where it would be captured into graph memory instead of allocated once. Its
-    second sighting is captured. With ``first_sighting``, a shape is captured at its first
+    A shape's first sighting runs eagerly, so whatever the model grows lazily for larger inputs
+    (fairseq's sinusoidal positional table, grown to the longest sequence seen) grows outside a
+    capture; inside one it would land in the graphs' memory pool. Its second sighting is
+    captured. With ``first_sighting``, a shape is captured at its first
     sighting too, unless some dimension of some input exceeds the largest run so far (of the
     same inputs, dtypes and ranks): then nothing can need growing. In a shuffled epoch that
     leaves a few dozen eager steps (each dimension's running maximum rises ~log(n) times).
