@@ -68,7 +68,7 @@ def main():
     runner._captured = timed("captured fn + capture_end", runner._captured)
     g = torch.Generator().manual_seed(0)
     failures = 0
-    memory = []  # per shape, after its replays: (reserved, used outside the allocator) bytes
+    memory = []  # per shape, after its replays: (reserved, outside the allocator, allocated) bytes
     for i in range(args.shapes):
         t_len = 12 + (i * 7) % 60
         bsz = max(1, args.tokens // t_len)

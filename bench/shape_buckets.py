@@ -30,7 +30,9 @@ from e2e import wmt_like_lengths  # noqa: E402
 from fairseq.data import data_utils  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ls_fairseq.criterions.cuda_graphs import CapturePolicy  # noqa: E402
+from ls_fairseq.criterions.cuda_graphs import (  # noqa: E402
+    CAPTURE_CHOICES, CapturePolicy, captures_first_sighting,
+)
 from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
 
 
@@ -85,7 +87,7 @@ def main():
                     help="--ls-shape-buckets:--ls-shape-bucket-slack pairs (0: no padding)")
     ap.add_argument("--max-graphs", type=int, default=256)
     ap.add_argument("--capture", nargs="+", default=["auto"],
-                    choices=["auto", "first-sighting", "second-sighting"],
+                    choices=CAPTURE_CHOICES,
                     help="--ls-cuda-graphs-capture policies to simulate")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -100,9 +102,9 @@ def main():
                 steps, _, slack = grid.partition(":")
                 for capture in args.capture:
                     buckets = ShapeBuckets(int(steps), float(slack or 0)) if int(steps) else None
-                    first = capture == "first-sighting" or (capture == "auto" and buckets)
+                    first = captures_first_sighting(capture, padded=buckets is not None)
                     padded, (e1, e2) = simulate(raw, buckets, 2, args.max_graphs, args.seed,
-                                                bool(first))
+                                                first)
                     cost = sum(map(token_slots, padded)) / (2 * sum(map(token_slots, raw))) - 1
                     fmt = lambda c: " / ".join(f"{c[k] / len(raw):.0%}" for k in  # noqa: E731
                                                ("eager", "captured", "replayed"))

@@ -78,6 +78,19 @@ class _Graphs:
         self.ready = ready  # per gradient bucket, the external event the backward replay records
 
 
+CAPTURE_CHOICES = ("auto", "first-sighting", "second-sighting")  # --ls-cuda-graphs-capture
+
+
+def captures_first_sighting(capture: str, padded: bool) -> bool:
+    """``--ls-cuda-graphs-capture`` resolved: ``auto`` captures at the first sighting when the
+    batches are padded to bucketed shapes (they recur), else at the second (one-off shapes would
+    pay for a capture they never use)."""
+    if capture not in CAPTURE_CHOICES:
+        raise ValueError(f"--ls-cuda-graphs-capture must be {', '.join(CAPTURE_CHOICES[:-1])} or "
+                         f"{CAPTURE_CHOICES[-1]}, got {capture!r}")
+    return capture == "first-sighting" or (capture == "auto" and padded)
+
+
 class CapturePolicy:
     """When a batch shape that has no graphs is captured rather than run eagerly.
 

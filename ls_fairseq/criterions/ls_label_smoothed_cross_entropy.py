@@ -41,7 +41,7 @@ from fairseq.dataclass import ChoiceEnum
 from .. import distributed_stats, ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from . import shape_buckets
-from .cuda_graphs import CudaGraphedLoss
+from .cuda_graphs import CAPTURE_CHOICES, CudaGraphedLoss, captures_first_sighting
 from .host_scalars import for_logging, to_host
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "graphs (captured as --ls-cuda-graphs-capture says; not with --ddp-backend "
                   "c10d)"},
     )
-    ls_cuda_graphs_capture: ChoiceEnum(["auto", "first-sighting", "second-sighting"]) = field(
+    ls_cuda_graphs_capture: ChoiceEnum(list(CAPTURE_CHOICES)) = field(
         default="auto",
         metadata={"help": "with --ls-cuda-graphs: capture a batch shape at its first sighting "
                   "(unless it is larger in some dimension than every step so far: then at its "
@@ -117,17 +117,13 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         if ls_cuda_graphs and ls_cuda_graphs_max < 1:
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
-        capture = str(ls_cuda_graphs_capture)
-        if capture not in ("auto", "first-sighting", "second-sighting"):
-            raise ValueError("--ls-cuda-graphs-capture must be auto, first-sighting or "
-                             f"second-sighting, got {capture!r}")
         self.shape_buckets = self._shape_buckets(
             task, ls_shape_buckets, ls_shape_bucket_slack) if ls_cuda_graphs else None
-        if capture == "auto":
-            capture = "first-sighting" if self.shape_buckets is not None else "second-sighting"
+        first_sighting = captures_first_sighting(str(ls_cuda_graphs_capture),
+                                                 padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
             max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
-            capture_first_sighting=capture == "first-sighting") if ls_cuda_graphs else None
+            capture_first_sighting=first_sighting) if ls_cuda_graphs else None
         self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
         if ls_async_stats:
             distributed_stats.install()
