@@ -29,7 +29,8 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 * All graphs share one memory pool: their temporaries (activations) reuse the same memory, which
   is safe because a shape's forward and backward replay back to back. If a second forward comes
   before the first one's backward, the second runs eagerly (it must not overwrite activations
-  still waiting for their backward).
+  still waiting for their backward). ``graph_memory.GraphMemory`` keeps that pool one arena and
+  gives the eager steps' idle cache back to the driver (``--ls-cuda-graphs-memory``).
 * The graphs run the model on aliases of its parameters (same storage, their own autograd
   leaves), so they never depend on autograd state of eager steps (``_check_aliases``).
 * Dropout stays random: the CUDA generator is graph-aware and every replay advances its offset
@@ -58,6 +59,7 @@ import torch
 
 from .. import grad_buckets
 from ..wrappers import find_wrapper, legacy_ddp_of
+from .graph_memory import MEMORY_CHOICES, GraphMemory
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +191,18 @@ class CudaGraphedLoss:
     """
 
     def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0,
-                 capture_first_sighting: bool = False):
+                 capture_first_sighting: bool = False, memory: str = "compact"):
         if bucket_mb < 0:
             raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
+        if memory not in MEMORY_CHOICES:
+            raise ValueError(f"--ls-cuda-graphs-memory must be one of {', '.join(MEMORY_CHOICES)}"
+                             f", got {memory!r}")
+        self.memory = memory
         self.max_graphs = max_graphs
         self.bucket_mb = bucket_mb  # 0: no all-reduce during the backward
         self._graphs = collections.OrderedDict()  # key -> _Graphs, least recently used first
         self.policy = CapturePolicy(capture_first_sighting)
-        self._pool = None
+        self._memory = None  # GraphMemory: the graphs' pool, created at the first capture
         self._stream = None
         self._model_ref = None
         self._params = None
@@ -220,6 +226,7 @@ class CudaGraphedLoss:
         key = self._key(model, sample)
         if key is None:
             self.stats["eager"] += 1
+            self._eager_ran()
             return compute(model, sample)
         self._setup(model)
         ddp = legacy_ddp_of(model) if self.bucket_mb > 0 else None
@@ -245,6 +252,7 @@ class CudaGraphedLoss:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
+            self._memory.graph_step()
         if sync:
             self._expect_reduce(ddp, graphs.ready)
         return self._replay_forward(graphs, sample)
@@ -283,6 +291,7 @@ class CudaGraphedLoss:
         replay's does: with several GPUs every rank then all-reduces the same buffers in the
         same calls whether its step replayed or not."""
         self.stats["eager"] += 1
+        self._eager_ran()
         self._bind_accumulators()
         out = compute(model, sample)
         self.policy.ran(*key)
@@ -290,6 +299,10 @@ class CudaGraphedLoss:
             return out
         self._expect_reduce(sync_ddp, None)
         return (_EagerBackward.apply(self, out[0]),) + tuple(out[1:])
+
+    def _eager_ran(self):
+        if self._memory is not None:  # its activations' memory is now cached outside the graphs
+            self._memory.eager_ran()
 
     # -- the gradient all-reduce under legacy DDP (grad_buckets.py) -------------------------
 
@@ -389,7 +402,8 @@ class CudaGraphedLoss:
         if self._graphs:
             logger.info("--ls-cuda-graphs: parameter storage changed; re-capturing")
             self._graphs.clear()
-            self._pool = None  # a fresh memory pool for the new graphs
+            if self._memory is not None:
+                self._memory.new_pool()  # a fresh memory pool for the new graphs
         self._aliases = [p.detach().requires_grad_() for p in self._params]
         for i, a in enumerate(self._aliases):
             a.register_hook(functools.partial(self._alias_grad, i))
@@ -446,18 +460,23 @@ class CudaGraphedLoss:
         return ready if record_ready else None
 
     def _capture(self, model, sample, compute, record_ready=False):
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        device = self._params[0].device
+        if self._memory is None:
+            self._memory = GraphMemory(device, compact=self.memory == "compact")
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self._params[0].device)
+            self._stream = torch.cuda.Stream(device=device)
         keys = sorted(sample["net_input"])
         static_inputs = [sample["net_input"][k].clone() for k in keys] + [sample["target"].clone()]
         static_sample = self._static_sample(sample, static_inputs)
+        shapes = [tuple(t.shape) for t in static_inputs]
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
         if not self._stream_warm:
-            self._warm_up(model, static_sample, compute)
+            with self._memory.warm_up(shapes):
+                self._warm_up(model, static_sample, compute)
             self._stream_warm = True
+        self._memory.graph_step()
+        self._memory.reserve(shapes, self._stream)
         # capture_begin/end rather than torch.cuda.graph(): that context manager also runs
         # gc.collect() and empties the allocator cache at every capture
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -502,7 +521,7 @@ class CudaGraphedLoss:
         # thread_local: only this thread is barred from calls that are unsafe during a capture.
         # In the default global mode a call from any thread breaks the capture, and fairseq's
         # data loader pins memory (cudaHostAlloc, event queries) on its own thread meanwhile.
-        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        graph.capture_begin(pool=self._memory.handle, capture_error_mode="thread_local")
         try:
             out = fn()
         except BaseException:

@@ -16,7 +16,9 @@ CUDA graphs (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued without 
 per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
 ``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
 when batches are padded to bucketed shapes, which recur) or at its second (``auto`` otherwise:
-one-off shapes then never pay for a capture).
+one-off shapes then never pay for a capture). ``--ls-cuda-graphs-memory compact`` (the default)
+keeps the graphs' memory pool one arena and gives the eager steps' idle cache back to the driver
+(``graph_memory``).
 
 ``--ls-shape-buckets N`` (with ``--ls-cuda-graphs``; 16 unless set, 0: off) pads each training
 batch up to one of a few hundred shapes (``shape_buckets``), so the graphs of a WMT14-sized corpus
@@ -42,6 +44,7 @@ from .. import distributed_stats, ops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from . import shape_buckets
 from .cuda_graphs import CAPTURE_CHOICES, CudaGraphedLoss, captures_first_sighting
+from .graph_memory import MEMORY_CHOICES
 from .host_scalars import for_logging, to_host
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,13 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "(unless it is larger in some dimension than every step so far: then at its "
                   "second) or at its second sighting (the first runs eagerly); auto: first "
                   "when batches are padded to bucketed shapes (--ls-shape-buckets), else second"},
+    )
+    ls_cuda_graphs_memory: ChoiceEnum(list(MEMORY_CHOICES)) = field(
+        default="compact",
+        metadata={"help": "with --ls-cuda-graphs: compact: the graphs' memory pool is one arena "
+                  "sized from the warm-up step, and the allocator's cache of eager steps is "
+                  "given back to the driver after them; grow: PyTorch's default (the pool grows "
+                  "segment by segment, eager steps keep their cache)"},
     )
     ls_cuda_graphs_max: int = field(
         default=256, metadata={"help": "most batch shapes kept captured by --ls-cuda-graphs "
@@ -108,7 +118,8 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
-                 ls_cuda_graphs=False, ls_cuda_graphs_capture="auto", ls_cuda_graphs_max=256,
+                 ls_cuda_graphs=False, ls_cuda_graphs_capture="auto",
+                 ls_cuda_graphs_memory="compact", ls_cuda_graphs_max=256,
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
                  ls_async_stats=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
@@ -123,7 +134,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                                                  padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
             max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
-            capture_first_sighting=first_sighting) if ls_cuda_graphs else None
+            capture_first_sighting=first_sighting,
+            memory=str(ls_cuda_graphs_memory)) if ls_cuda_graphs else None
         self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
         if ls_async_stats:
             distributed_stats.install()

@@ -1,0 +1,139 @@
+"""``--ls-cuda-graphs-memory``: the graphs' arena and the release of the eager cache.
+
+Compact memory changes where tensors live, never what is computed: replays still match eager
+steps (same tolerances as ``test_cuda_graphs_cuda.py``, whose tests run with the default,
+``compact``). What it must change is measured with the allocator's own snapshot: the capture
+stream's warm-up cache is given back, and the graphs' pool plus that cache hold less than with
+``grow`` for the same shapes.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fairseq_helpers import DummyTask, build_model, make_dictionary  # noqa: E402
+from test_cuda_graphs_cuda import SMALL, _assert_replays_match_eager, _sample  # noqa: E402
+from ls_fairseq.criterions import graph_memory  # noqa: E402
+from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
+    LSLabelSmoothedCrossEntropyCriterion,
+)
+
+pytestmark = pytest.mark.gpu
+
+# enough layers and width that one step's activations are a few hundred MB
+MEDIUM = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "512",
+          "--encoder-ffn-embed-dim", "2048", "--encoder-attention-heads", "8",
+          "--decoder-attention-heads", "8", "--share-all-embeddings", "--dropout", "0.1"]
+# first sighting captures: each shape no larger in any dimension than the first (eager) one,
+# token counts and source/target mixes varying as fairseq's batches do
+MEDIUM_SHAPES = [(96, 48, 52), (64, 44, 50), (80, 40, 46), (96, 30, 34), (72, 48, 40),
+                 (88, 36, 52), (56, 48, 52), (96, 46, 26), (64, 30, 50), (90, 47, 51)]
+
+
+@pytest.fixture(scope="module")
+def dictionary():
+    return make_dictionary(203)
+
+
+@pytest.fixture(autouse=True)
+def kernels_required(monkeypatch):
+    monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "require")
+
+
+def _segments(pool=None, stream=None):
+    """Reserved bytes of the allocator's segments in ``pool`` (a handle; None: the default
+    pool) on ``stream`` (None: any)."""
+    total = 0
+    for seg in torch.cuda.memory_snapshot():
+        seg_pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        if seg_pool != (tuple(pool) if pool is not None else (0, 0)):
+            continue
+        if stream is not None and seg["stream"] != stream.cuda_stream:
+            continue
+        total += seg["total_size"]
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compact_replays_match_eager(dictionary, dtype, monkeypatch):
+    """With an arena grown before every capture that needs more (the growth threshold lowered
+    to 0 for this small model), replays match eager steps, and the warm-up's cache was given
+    back."""
+    monkeypatch.setattr(graph_memory, "_MIN_GROWTH", 0)
+    extra = SMALL + ["--dropout", "0.2", "--attention-dropout", "0.2",
+                     "--activation-dropout", "0.2"]
+    task = DummyTask(dictionary)
+    kwargs = dict(sentence_avg=False, label_smoothing=0.1)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    graphed = LSLabelSmoothedCrossEntropyCriterion(
+        task, ls_cuda_graphs=True, ls_cuda_graphs_capture="first-sighting", **kwargs)
+    m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    updates = [[(8, 29, 31)], [(5, 13, 11)], [(8, 29, 30), (5, 13, 11)], [(7, 20, 31)],
+               [(8, 29, 31)], [(8, 29, 30)]]
+    _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=700)
+    runner = graphed.graphs
+    # a capture's step is its first replay
+    assert dict(runner.stats) == {"eager": 1, "captured": 4, "replayed": 6}
+    assert runner._memory.arena_bytes > 0
+    assert runner._memory.stats["arena_grown"] >= 1
+    assert runner._memory.stats["released"] >= 1  # after the warm-up
+
+
+def _held(dictionary, memory):
+    """(graphs' pool, capture stream's default-pool cache, arena) bytes after MEDIUM_SHAPES."""
+    crit = LSLabelSmoothedCrossEntropyCriterion(
+        DummyTask(dictionary), sentence_avg=False, label_smoothing=0.1, ls_cuda_graphs=True,
+        ls_cuda_graphs_capture="first-sighting", ls_cuda_graphs_memory=memory)
+    model = build_model("ls_transformer", dictionary, MEDIUM, seed=3).cuda().half().train()
+    for i, shape in enumerate(MEDIUM_SHAPES + MEDIUM_SHAPES[1:4]):
+        for p in model.parameters():
+            p.grad = None
+        loss, _, _ = crit(model, _sample(dictionary, shape, i))
+        (loss * 8.0).backward()
+        assert torch.isfinite(loss)
+    torch.cuda.synchronize()
+    runner = crit.graphs
+    captures = len(MEDIUM_SHAPES) - 1
+    assert dict(runner.stats) == {"eager": 1, "captured": captures, "replayed": captures + 3}
+    held = (_segments(runner._memory.handle), _segments(stream=runner._stream),
+            runner._memory.arena_bytes)
+    del crit, runner, model, loss
+    torch.cuda.empty_cache()
+    return held
+
+
+def test_compact_holds_less_than_grow(dictionary):
+    grow_pool, grow_warm, grow_arena = _held(dictionary, "grow")
+    pool, warm, arena = _held(dictionary, "compact")
+    print(f"graphs' pool + capture-stream cache, MiB: grow {grow_pool / 2**20:.0f} + "
+          f"{grow_warm / 2**20:.0f}, compact {pool / 2**20:.0f} + {warm / 2**20:.0f} "
+          f"(arena {arena / 2**20:.0f})")
+    assert grow_arena == 0
+    assert grow_warm > 100 * 2**20  # the warm-up's activations, cached for the capture stream
+    assert warm < 16 * 2**20  # given back: what is left are small static tensors
+    assert arena > 0
+    assert pool + warm < grow_pool + grow_warm
+
+
+def test_no_arena_when_memory_is_short(dictionary, monkeypatch):
+    """If the arena would not leave a GiB free, the pool grows segment by segment as with
+    ``grow`` (one log line), and training goes on."""
+    total = torch.cuda.mem_get_info()[1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, total))
+    monkeypatch.setattr(graph_memory, "_MIN_GROWTH", 0)
+    crit = LSLabelSmoothedCrossEntropyCriterion(
+        DummyTask(dictionary), sentence_avg=False, label_smoothing=0.1, ls_cuda_graphs=True,
+        ls_cuda_graphs_capture="first-sighting")
+    model = build_model("ls_transformer", dictionary, SMALL, seed=5).cuda().train()
+    for i, shape in enumerate([(8, 29, 31), (5, 13, 11), (5, 13, 11)]):
+        for p in model.parameters():
+            p.grad = None
+        loss, _, _ = crit(model, _sample(dictionary, shape, i))
+        loss.backward()
+    assert dict(crit.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 2}
+    assert crit.graphs._memory.arena_bytes == 0
+    assert crit.graphs._memory._warned
