@@ -18,7 +18,8 @@ a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
 padded to bucketed shapes, each captured at its first sighting and replayed from then on),
 ``ls_deferred`` (``ls_graphs`` plus ls_adam's ``--ls-deferred-overflow-check``: no update waits
 for the GPU; ``ls_deferred_second`` the same with ``--ls-cuda-graphs-capture second-sighting``,
-a shape's first sighting eager; ``ls_deferred_nobuckets`` with ``--ls-shape-buckets 0``, one
+a shape's first sighting eager; ``ls_deferred_grow`` with ``--ls-cuda-graphs-memory grow``, the
+allocator's default memory management for the graphs; ``ls_deferred_nobuckets`` with ``--ls-shape-buckets 0``, one
 graph per batch shape, captured at its second sighting, so the steady state of the default
 corpus needs a third epoch: --epochs 3), ``ls_plain_fp16`` (the ls_ twins
 under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
@@ -75,6 +76,10 @@ VARIANTS["ls_deferred_nobuckets"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS
 # a new padded shape's first sighting runs eagerly, its second is captured (before session 16)
 VARIANTS["ls_deferred_second"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-cuda-graphs-capture", "second-sighting"])
+# the graphs' memory as PyTorch's allocator manages it by default (before session 17): the pool
+# grows segment by segment, eager steps and the capture stream's warm-up keep their cache
+VARIANTS["ls_deferred_grow"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
+    "flags"] + ["--ls-cuda-graphs-memory", "grow"])
 # several GPUs only: the gradient all-reduce after the backward instead of during it (on one
 # GPU the same run as ls_graphs, whose 1-GPU figure bench/multi_gpu.py reuses)
 VARIANTS["ls_graphs_after"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",

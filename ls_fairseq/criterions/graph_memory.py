@@ -14,12 +14,14 @@ Why: on the H100 (session 16) the process held 17.1 GB at ``--max-tokens 8192`` 
 
 What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
 
-* **Arena.** Before a capture, the graphs' pool gets one free segment as large as the capture is
-  expected to need: the warm-up step's footprint, scaled by how many more token slots the shape
-  has, plus 10%. It is allocated and freed in the pool (``torch.cuda.use_mem_pool``), so it stays
-  there, and a capture's tensors split it and coalesce back into it when they are freed: shapes of
-  any size reuse the same memory. If the estimate falls short the allocator adds segments as
-  before: only memory is at stake, never correctness.
+* **Arena.** Before the pool's first capture, the pool gets one free segment as large as that
+  capture is expected to need: the warm-up step's footprint, scaled by how many more token slots
+  the shape has, plus 10%. It is allocated and freed in the pool (``torch.cuda.use_mem_pool``),
+  so it stays there, and each capture's tensors split it and coalesce back into it when they are
+  freed: shapes of other sizes reuse the same memory instead of adding segments sized for their
+  own tensors. A capture that needs more gets segments from the allocator as before (only memory
+  is at stake, never correctness). One arena, not grown later: a second segment allocated to
+  extend it would be taken out of the first one's free space instead (best fit).
 * **Release.** The default pool's free cache goes back to the driver (``torch.cuda.empty_cache``)
   right after the warm-up, and after eager computations, at most once every 16 graph steps (a
   release synchronises the device, and the next eager step allocates afresh).
@@ -39,7 +41,7 @@ MEMORY_CHOICES = ("compact", "grow")  # --ls-cuda-graphs-memory
 
 HEADROOM = 1.1  # the arena over the expected need: the allocator rounds, shapes differ in mix
 RELEASE_EVERY = 16  # graph steps at least between two releases of the eager cache
-_MIN_GROWTH = 64 << 20  # smaller shortfalls are left to the allocator
+_MIN_ARENA = 64 << 20  # smaller needs are left to the allocator
 _KEEP_FREE = 1 << 30  # an arena never takes the device's last GiB
 
 
@@ -82,13 +84,13 @@ class GraphMemory:
         self._unit = None  # (bytes, token_slots) of the warm-up step
         self._dirty = False  # eager work ran since the last release
         self._since_release = RELEASE_EVERY
-        self._warned = False
-        self.stats = {"released": 0, "arena_grown": 0}
+        self.stats = {"released": 0}
         self.new_pool()
 
     def new_pool(self):
         """A fresh pool (the graphs of the old one are gone)."""
         self.arena_bytes = 0
+        self._arena_tried = False
         if self.compact and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda,
                                                                        "use_mem_pool"):
             self._mem_pool = torch.cuda.MemPool()
@@ -131,27 +133,24 @@ class GraphMemory:
     # -- the arena -------------------------------------------------------------------------------
 
     def reserve(self, shapes, stream: torch.cuda.Stream):
-        """Before capturing a step of these input shapes on ``stream``: grow the arena to the
-        expected need (one segment for the shortfall, allocated and freed in the pool)."""
-        if self._mem_pool is None:
+        """Before capturing a step of these input shapes on ``stream``: if the pool has no arena
+        yet, allocate one of the expected need and free it into the pool."""
+        if self._mem_pool is None or self._arena_tried:
             return
+        self._arena_tried = True
         need = expected_need(self._unit, shapes)
-        if need is None or need - self.arena_bytes < _MIN_GROWTH:
+        if need is None or need < _MIN_ARENA:
             return
-        grow = need - self.arena_bytes
         free, _ = torch.cuda.mem_get_info(self.device)
-        if grow > free - _KEEP_FREE:
-            if not self._warned:
-                self._warned = True
-                logger.info(f"--ls-cuda-graphs-memory compact: {grow / 2**30:.1f} GiB for the "
-                            f"graphs' arena is not free ({free / 2**30:.1f} GiB); the pool "
-                            "grows segment by segment instead")
+        if need > free - _KEEP_FREE:
+            logger.info(f"--ls-cuda-graphs-memory compact: {need / 2**30:.1f} GiB for the "
+                        f"graphs' arena is not free ({free / 2**30:.1f} GiB); the pool grows "
+                        "segment by segment instead")
             return
         try:
             with torch.cuda.stream(stream), torch.cuda.use_mem_pool(self._mem_pool):
-                block = torch.empty(grow, dtype=torch.uint8, device=self.device)
-                del block  # back to the pool's free blocks, where the capture finds it
+                block = torch.empty(need, dtype=torch.uint8, device=self.device)
+                del block  # back to the pool's free blocks, where the captures find it
         except torch.cuda.OutOfMemoryError:
             return
         self.arena_bytes = need
-        self.stats["arena_grown"] += 1

@@ -59,10 +59,9 @@ def _segments(pool=None, stream=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_compact_replays_match_eager(dictionary, dtype, monkeypatch):
-    """With an arena grown before every capture that needs more (the growth threshold lowered
-    to 0 for this small model), replays match eager steps, and the warm-up's cache was given
-    back."""
-    monkeypatch.setattr(graph_memory, "_MIN_GROWTH", 0)
+    """With an arena (its threshold lowered to 0 for this small model), replays match eager
+    steps, and the warm-up's cache was given back."""
+    monkeypatch.setattr(graph_memory, "_MIN_ARENA", 0)
     extra = SMALL + ["--dropout", "0.2", "--attention-dropout", "0.2",
                      "--activation-dropout", "0.2"]
     task = DummyTask(dictionary)
@@ -79,7 +78,6 @@ def test_compact_replays_match_eager(dictionary, dtype, monkeypatch):
     # a capture's step is its first replay
     assert dict(runner.stats) == {"eager": 1, "captured": 4, "replayed": 6}
     assert runner._memory.arena_bytes > 0
-    assert runner._memory.stats["arena_grown"] >= 1
     assert runner._memory.stats["released"] >= 1  # after the warm-up
 
 
@@ -106,14 +104,15 @@ def _held(dictionary, memory):
     return held
 
 
-def test_compact_holds_less_than_grow(dictionary):
+def test_compact_holds_less_than_grow(dictionary, monkeypatch):
+    monkeypatch.setattr(graph_memory, "_MIN_ARENA", 0)
     grow_pool, grow_warm, grow_arena = _held(dictionary, "grow")
     pool, warm, arena = _held(dictionary, "compact")
     print(f"graphs' pool + capture-stream cache, MiB: grow {grow_pool / 2**20:.0f} + "
           f"{grow_warm / 2**20:.0f}, compact {pool / 2**20:.0f} + {warm / 2**20:.0f} "
           f"(arena {arena / 2**20:.0f})")
     assert grow_arena == 0
-    assert grow_warm > 100 * 2**20  # the warm-up's activations, cached for the capture stream
+    assert grow_warm > 32 * 2**20  # the warm-up's activations, cached for the capture stream
     assert warm < 16 * 2**20  # given back: what is left are small static tensors
     assert arena > 0
     assert pool + warm < grow_pool + grow_warm
@@ -124,7 +123,7 @@ def test_no_arena_when_memory_is_short(dictionary, monkeypatch):
     ``grow`` (one log line), and training goes on."""
     total = torch.cuda.mem_get_info()[1]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, total))
-    monkeypatch.setattr(graph_memory, "_MIN_GROWTH", 0)
+    monkeypatch.setattr(graph_memory, "_MIN_ARENA", 0)
     crit = LSLabelSmoothedCrossEntropyCriterion(
         DummyTask(dictionary), sentence_avg=False, label_smoothing=0.1, ls_cuda_graphs=True,
         ls_cuda_graphs_capture="first-sighting")
@@ -136,4 +135,4 @@ def test_no_arena_when_memory_is_short(dictionary, monkeypatch):
         loss.backward()
     assert dict(crit.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 2}
     assert crit.graphs._memory.arena_bytes == 0
-    assert crit.graphs._memory._warned
+    assert crit.graphs._memory._arena_tried
