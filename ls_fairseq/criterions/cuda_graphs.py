@@ -10,7 +10,9 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   captured at its second sighting; its first sighting runs eagerly as usual (lazily grown
   tables). With ``capture_first_sighting`` (the criterion's default when batches are padded to
   bucketed shapes, which recur) it is captured at once, unless it is larger in some dimension
-  than every step run so far (``CapturePolicy``). Capturing means: the criterion's forward
+  than every step run so far (``CapturePolicy``): then it runs eagerly first, or, with
+  ``--ls-cuda-graphs-memory compact`` (the default), a forward without gradients grows the lazy
+  state and the shape is captured at once (``_grow_lazy_state``). Capturing means: the criterion's forward
   (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
   second, which adds the gradients into fixed accumulator buffers; the step itself is then the
   first replay. Before the first capture, one more eager step on the capture stream
@@ -239,7 +241,9 @@ class CudaGraphedLoss:
         graphs = self._graphs.get(key)
         if graphs is None:
             if not self.policy.capture(*key):
-                return self._eager(model, sample, compute, sync and ddp, key)
+                if not (self.policy.first_sighting and self.memory == "compact"):
+                    return self._eager(model, sample, compute, sync and ddp, key)
+                self._grow_lazy_state(model, sample, compute)
             graphs = self._capture(model, sample, compute, record_ready=ddp is not None)
             self.policy.ran(*key)
             self._graphs[key] = graphs
@@ -299,6 +303,27 @@ class CudaGraphedLoss:
             return out
         self._expect_reduce(sync_ddp, None)
         return (_EagerBackward.apply(self, out[0]),) + tuple(out[1:])
+
+    def _grow_lazy_state(self, model, sample, compute):
+        """Instead of an eager first step of a shape larger than every step so far (first
+        sighting captures with compact memory): a forward without gradients, in eval mode and
+        with the CUDA RNG state put back, so that what the model grows lazily for larger inputs
+        (fairseq's sinusoidal positional table) grows outside a capture, as an eager step would
+        grow it. The shape is then captured at once. An eager training step would hold its
+        activations next to the graphs' idle pool (the process's peak memory); this forward
+        holds none for a backward, and its cache is given back right away."""
+        self.stats["dry_run"] += 1
+        rng = torch.cuda.get_rng_state()
+        training = model.training
+        try:
+            with torch.no_grad():
+                model.eval()
+                compute(model, sample)
+        finally:
+            model.train(training)
+            torch.cuda.set_rng_state(rng)
+        if self._memory is not None:  # else the first capture's warm-up releases it
+            self._memory.release()
 
     def _eager_ran(self):
         if self._memory is not None:  # its activations' memory is now cached outside the graphs

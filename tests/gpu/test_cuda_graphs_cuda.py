@@ -143,36 +143,44 @@ def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
                for i, shape in enumerate(shapes)]
     _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=300)
     assert graphed.shape_buckets.shapes == [(8, 14, 12)]
-    assert dict(graphed.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 6}
+    # the first step grows the lazy state without gradients, then is captured (compact memory)
+    assert dict(graphed.graphs.stats) == {"dry_run": 1, "captured": 1, "replayed": 7}
 
 
+@pytest.mark.parametrize("memory", ["compact", "grow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_first_sighting_captures_match_eager(dictionary, dtype):
+def test_first_sighting_captures_match_eager(dictionary, dtype, memory):
     """--ls-cuda-graphs-capture first-sighting: a new shape no larger in any dimension than the
-    steps run so far is captured at once (the step is the capture's first replay); the first
-    step and larger shapes run eagerly. The positional tables start small (16 positions), so
-    the longer steps grow them, eagerly, after some graphs were captured: those graphs' later
-    replays read the outgrown tables. Losses and gradients match eager steps (dropout 0.2:
-    replays draw the eager steps' masks; tolerances as above)."""
+    steps run so far is captured at once (the step is the capture's first replay). The first
+    step and larger shapes run eagerly first (``--ls-cuda-graphs-memory grow``), or grow the
+    lazy state in a forward without gradients and are captured at once (``compact``). The
+    positional tables start small (16 positions), so the longer steps grow them after some
+    graphs were captured: those graphs' later replays read the outgrown tables. Losses and
+    gradients match eager steps (dropout 0.2: replays draw the eager steps' masks, and the
+    gradient-free forwards draw none; tolerances as above)."""
     extra = SMALL + ["--dropout", "0.2", "--attention-dropout", "0.2", "--activation-dropout",
                      "0.2", "--max-source-positions", "16", "--max-target-positions", "16"]
     task = DummyTask(dictionary)
     kwargs = dict(sentence_avg=False, label_smoothing=0.1)
     eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
     graphed = LSLabelSmoothedCrossEntropyCriterion(
-        task, ls_cuda_graphs=True, ls_cuda_graphs_capture="first-sighting", **kwargs)
+        task, ls_cuda_graphs=True, ls_cuda_graphs_capture="first-sighting",
+        ls_cuda_graphs_memory=memory, **kwargs)
     m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
     m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
-    updates = [[(8, 29, 31)],                # eager: nothing ran before
+    updates = [[(8, 29, 31)],                # grow: eager (nothing ran before); compact: captured
                [(5, 13, 11)],                # captured at its first sighting
                [(3, 7, 20), (5, 13, 11)],    # captured; replayed
-               [(8, 29, 31)],                # captured (second sighting)
-               [(9, 13, 11)],                # eager: more rows than any step so far
-               [(6, 40, 12)],                # eager: a longer source (its table grows)
-               [(9, 13, 11), (3, 7, 20)],    # captured; replayed (captured before the growth)
-               [(5, 13, 11), (6, 40, 12)]]   # replayed; captured
+               [(8, 29, 31)],                # grow: captured (second sighting); compact: replayed
+               [(9, 13, 11)],                # more rows than any step so far: as the first
+               [(6, 40, 12)],                # a longer source (its table grows): as the first
+               [(9, 13, 11), (3, 7, 20)],    # grow: captured; replayed (captured before growth)
+               [(5, 13, 11), (6, 40, 12)]]   # replayed; grow: captured
     _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=500)
-    assert dict(graphed.graphs.stats) == {"eager": 3, "captured": 5, "replayed": 8}
+    if memory == "grow":
+        assert dict(graphed.graphs.stats) == {"eager": 3, "captured": 5, "replayed": 8}
+    else:
+        assert dict(graphed.graphs.stats) == {"dry_run": 3, "captured": 5, "replayed": 11}
     assert len(m2.encoder.embedding._outgrown) == 2  # grown at (8, 29, 31) and (6, 40, 12)
 
 

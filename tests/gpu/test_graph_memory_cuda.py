@@ -75,8 +75,9 @@ def test_compact_replays_match_eager(dictionary, dtype, monkeypatch):
                [(8, 29, 31)], [(8, 29, 30)]]
     _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=700)
     runner = graphed.graphs
-    # a capture's step is its first replay
-    assert dict(runner.stats) == {"eager": 1, "captured": 4, "replayed": 6}
+    # a capture's step is its first replay; the first step grew the lazy state without
+    # gradients and was captured at once
+    assert dict(runner.stats) == {"dry_run": 1, "captured": 4, "replayed": 7}
     assert runner._memory.arena_bytes > 0
     assert runner._memory.stats["released"] >= 1  # after the warm-up
 
@@ -95,8 +96,9 @@ def _held(dictionary, memory):
         assert torch.isfinite(loss)
     torch.cuda.synchronize()
     runner = crit.graphs
-    captures = len(MEDIUM_SHAPES) - 1
-    assert dict(runner.stats) == {"eager": 1, "captured": captures, "replayed": captures + 3}
+    first = {"dry_run": 1} if memory == "compact" else {"eager": 1}
+    captures = len(MEDIUM_SHAPES) - ("eager" in first)
+    assert dict(runner.stats) == {**first, "captured": captures, "replayed": captures + 3}
     held = (_segments(runner._memory.handle), _segments(stream=runner._stream),
             runner._memory.arena_bytes)
     del crit, runner, model, loss
@@ -113,7 +115,9 @@ def test_compact_holds_less_than_grow(dictionary, monkeypatch):
           f"(arena {arena / 2**20:.0f})")
     assert grow_arena == 0
     assert grow_warm > 32 * 2**20  # the warm-up's activations, cached for the capture stream
-    assert warm < 16 * 2**20  # given back: what is left are small static tensors
+    # given back: what is left are cuBLAS's workspaces for the stream (64 MiB on the H100)
+    # and small static tensors
+    assert warm < 128 * 2**20 and warm < grow_warm / 4
     assert arena > 0
     assert pool + warm < grow_pool + grow_warm
 
@@ -133,6 +137,6 @@ def test_no_arena_when_memory_is_short(dictionary, monkeypatch):
             p.grad = None
         loss, _, _ = crit(model, _sample(dictionary, shape, i))
         loss.backward()
-    assert dict(crit.graphs.stats) == {"eager": 1, "captured": 1, "replayed": 2}
+    assert dict(crit.graphs.stats) == {"dry_run": 1, "captured": 2, "replayed": 3}
     assert crit.graphs._memory.arena_bytes == 0
     assert crit.graphs._memory._arena_tried
