@@ -14,7 +14,10 @@ criterion's ``ShapeBuckets``, fed the batches in training order) it prints
   fairseq's iterator does): eager, captured (the step is then the first replay) or replayed,
   with the criterion's ``CapturePolicy`` (``--capture``, as ``--ls-cuda-graphs-capture``: auto
   captures padded shapes at their first sighting, unpadded ones at their second) and at most
-  ``--ls-cuda-graphs-max`` shapes kept, least recently used dropped.
+  ``--ls-cuda-graphs-max`` shapes kept, least recently used dropped. With first-sighting
+  captures and ``--memory compact`` (``--ls-cuda-graphs-memory``'s default) a shape larger than
+  every step so far is captured at once after a gradient-free forward instead of running
+  eagerly: it counts as captured.
 
     python bench/shape_buckets.py --sentences 40000 400000 4500000 --max-tokens 8192 16384
 """
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ls_fairseq.criterions.cuda_graphs import (  # noqa: E402
     CAPTURE_CHOICES, CapturePolicy, captures_first_sighting,
 )
+from ls_fairseq.criterions.graph_memory import MEMORY_CHOICES  # noqa: E402
 from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
 
 
@@ -49,10 +53,11 @@ def batches(sentences, max_tokens, seed):
     return [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
 
 
-def simulate(raw, buckets, epochs, max_graphs, seed, first_sighting):
+def simulate(raw, buckets, epochs, max_graphs, seed, first_sighting, compact=True):
     """Runs ``epochs`` epochs of the batches ``raw`` (shuffled per epoch) through the padding
-    (``buckets``, None: none) and --ls-cuda-graphs' policy. Returns the padded shapes met and,
-    per epoch, the (eager, captured, replayed) step counts."""
+    (``buckets``, None: none) and --ls-cuda-graphs' policy (``compact``: with first-sighting
+    captures, what the policy would run eagerly is captured after a gradient-free forward).
+    Returns the padded shapes met and, per epoch, the (eager, captured, replayed) step counts."""
     rng = np.random.default_rng(seed + 1)
     policy, kept, per_epoch, padded = CapturePolicy(first_sighting), collections.OrderedDict(), [], []
     for _ in range(epochs):
@@ -66,7 +71,7 @@ def simulate(raw, buckets, epochs, max_graphs, seed, first_sighting):
                 continue
             rows, src_len, tgt_len = key  # as CudaGraphedLoss sees them: source, target
             shapes = ((rows, src_len), (rows, tgt_len))
-            captured = policy.capture(None, shapes)
+            captured = policy.capture(None, shapes) or (first_sighting and compact)
             policy.ran(None, shapes)
             if not captured:
                 counts["eager"] += 1
@@ -89,6 +94,8 @@ def main():
     ap.add_argument("--capture", nargs="+", default=["auto"],
                     choices=CAPTURE_CHOICES,
                     help="--ls-cuda-graphs-capture policies to simulate")
+    ap.add_argument("--memory", choices=MEMORY_CHOICES, default="compact",
+                    help="--ls-cuda-graphs-memory to simulate")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     print("| sentences | max-tokens | batches/epoch | buckets : slack | capture at | shapes | "
@@ -104,7 +111,7 @@ def main():
                     buckets = ShapeBuckets(int(steps), float(slack or 0)) if int(steps) else None
                     first = captures_first_sighting(capture, padded=buckets is not None)
                     padded, (e1, e2) = simulate(raw, buckets, 2, args.max_graphs, args.seed,
-                                                first)
+                                                first, args.memory == "compact")
                     cost = sum(map(token_slots, padded)) / (2 * sum(map(token_slots, raw))) - 1
                     fmt = lambda c: " / ".join(f"{c[k] / len(raw):.0%}" for k in  # noqa: E731
                                                ("eager", "captured", "replayed"))
