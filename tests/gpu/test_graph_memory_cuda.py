@@ -14,8 +14,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fairseq_helpers import DummyTask, build_model, make_dictionary  # noqa: E402
-from test_cuda_graphs_cuda import SMALL, _assert_replays_match_eager, _sample  # noqa: E402
+from fairseq_helpers import DummyTask, build_model  # noqa: E402
+from test_cuda_graphs_cuda import (  # noqa: E402,F401  (the fixtures, shared)
+    SMALL, _assert_replays_match_eager, _sample, dictionary, kernels_required,
+)
 from ls_fairseq.criterions import graph_memory  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
@@ -31,16 +33,6 @@ MEDIUM = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim
 # token counts and source/target mixes varying as fairseq's batches do
 MEDIUM_SHAPES = [(96, 48, 52), (64, 44, 50), (80, 40, 46), (96, 30, 34), (72, 48, 40),
                  (88, 36, 52), (56, 48, 52), (96, 46, 26), (64, 30, 50), (90, 47, 51)]
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return make_dictionary(203)
-
-
-@pytest.fixture(autouse=True)
-def kernels_required(monkeypatch):
-    monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "require")
 
 
 def _segments(pool=None, stream=None):
