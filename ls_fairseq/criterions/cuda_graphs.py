@@ -513,10 +513,12 @@ class CudaGraphedLoss:
                 grad_output = torch.ones_like(outputs[0])
                 ready = self._captured(bwd, lambda: self._grads(outputs, grad_output, record_ready))
         except Exception as exc:
+            hint = (" (or, if this names the memory pool, with --ls-cuda-graphs-memory grow)"
+                    if self.memory == "compact" else "")
             raise RuntimeError(
                 f"--ls-cuda-graphs: capturing the training step of a batch of "
                 f"{list(static_inputs[-1].shape)} target tokens failed ({exc}). Train without "
-                f"--ls-cuda-graphs, and please report this.") from exc
+                f"--ls-cuda-graphs{hint}, and please report this.") from exc
         current.wait_stream(self._stream)
         static_outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
         return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd, ready)

@@ -22,7 +22,8 @@ option (used by ``ls_adam``'s ``LSFusedFP16Optimizer``):
 
 What differs from fairseq, on overflowing updates only: fairseq's trainer does not count them
 (``num_updates`` and the lr schedule stay put) and logs nothing for them; here the trainer cannot
-know in time, so it counts the skipped update, logs its loss, and logs its gnorm as inf. The
+know in time, so it counts the skipped update, logs its loss, and logs its gnorm as inf (NaN
+where the gradients hold NaNs). The
 logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes one update later.
 With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
 once per ``--fp16-scale-window`` updates).
