@@ -353,3 +353,61 @@ def test_fairseq_train_json_interrupted_and_resumed(data_bin, tmp_path, capsys):
     rc = compare.main([str(run), sample("baseline_simple"), "--no-plots"])
     assert rc == 0
     assert "| updates | 48 | 1200 |" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# the loss curve against the first run
+# --------------------------------------------------------------------------------------------
+
+def _write_inner_log(path, losses):
+    """A json-format fairseq-train log of training intervals only: {num_updates: loss}."""
+    with open(path, "w") as f:
+        for i, (u, loss) in enumerate(sorted(losses.items())):
+            stats = {"epoch": 1, "update": round(u / 1000, 3), "loss": "{:.3f}".format(loss),
+                     "num_updates": str(u), "wps": "1000", "ups": "1.0"}
+            f.write("2026-11-25 10:{:02d}:{:02d} | INFO | train_inner | {}\n".format(
+                i // 60, i % 60, json.dumps(stats)))
+
+
+def test_loss_curve_rows(tmp_path, capsys):
+    """A falling linear curve against the same curve 0.01 higher with one spike of +1 at update
+    500: over the 71 intervals from update 300 on the differences are 0.01 seventy times and
+    1.01 once, so mean 0.01 + 1/71 and s.d. sqrt(1/71); the spike is the second run's largest
+    jump (1.0, its neighbours' median is the line), and the line has none (0)."""
+    base = {u: 10 - 0.001 * u for u in range(10, 1010, 10)}
+    other = {u: v + 0.01 + (1.0 if u == 500 else 0.0) for u, v in base.items()}
+    _write_inner_log(tmp_path / "a.log", base)
+    _write_inner_log(tmp_path / "b.log", other)
+    runs, report, _ = compare.compare([str(tmp_path / "a.log"), str(tmp_path / "b.log")],
+                                      plots=False)
+    a, b = runs[0].metrics, runs[1].metrics
+    assert a["loss_diff_mean"] is None and a["loss_jump"] == pytest.approx(0, abs=1e-9)
+    assert b["loss_diff_intervals"] == 71
+    assert b["loss_diff_mean"] == pytest.approx(0.01 + 1 / 71, abs=1e-9)
+    assert b["loss_diff_sd"] == pytest.approx((1 / 71) ** 0.5, abs=1e-9)
+    assert (b["loss_jump"], b["loss_jump_update"]) == (pytest.approx(1.0, abs=1e-9), 500)
+    assert "| interval loss − first run's, mean | n/a | +0.0241 |" in report
+    assert "| … at update |" in report and "| 500 |" in report
+
+    # --curve-from past the spike: only the offset is left
+    runs, _, _ = compare.compare([str(tmp_path / "a.log"), str(tmp_path / "b.log")],
+                                 plots=False, curve_from=600)
+    b = runs[1].metrics
+    assert b["loss_diff_intervals"] == 41
+    assert b["loss_diff_mean"] == pytest.approx(0.01, abs=1e-9)
+    assert b["loss_diff_sd"] == pytest.approx(0, abs=1e-9)
+
+
+def test_loss_curve_needs_common_updates(tmp_path):
+    _write_inner_log(tmp_path / "a.log", {u: 5.0 for u in range(10, 400, 20)})
+    _write_inner_log(tmp_path / "b.log", {u: 5.0 for u in range(20, 400, 20)})  # other updates
+    runs, _, _ = compare.compare([str(tmp_path / "a.log"), str(tmp_path / "b.log")], plots=False)
+    assert runs[1].metrics["loss_diff_mean"] is None
+    assert any("fewer than 2 intervals logged at the same update" in m for m in runs[1].missing)
+    assert runs[0].metrics["loss_jump"] is None  # 5 intervals from update 300 on: none has 5 + 5
+
+
+def test_curve_from_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        compare.main([sample("baseline_simple"), "--curve-from", "-1"])
+    assert "--curve-from must be >= 0" in capsys.readouterr().err

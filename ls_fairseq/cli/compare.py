@@ -17,6 +17,10 @@ log file. What is read:
 
 It prints a markdown table (one column per run, ratios against the first run) and the list of
 what it could not find, and writes PNG plots: loss vs updates, loss vs wall-clock, wps over time.
+The loss-curve rows say whether a run's training loss follows the first run's: the mean and
+standard deviation of the differences of their interval losses logged at the same updates, and
+each run's largest loss spike over its neighbouring intervals (``--curve-from`` skips the
+warm-up).
 """
 import argparse
 import glob
@@ -605,6 +609,66 @@ def _reduce(run):
 
 
 # --------------------------------------------------------------------------------------------
+# the loss curve against the first run
+# --------------------------------------------------------------------------------------------
+
+CURVE_FROM = 300  # --curve-from: the loss-curve rows skip the warm-up's steep descent
+NEIGHBOURS = 5  # a jump is measured against the median of this many intervals on each side
+
+
+def _interval_losses(run, curve_from):
+    """{num_updates: loss} of the logged training intervals from update ``curve_from`` on."""
+    inner = run.inner
+    if inner is None or "loss" not in inner or "num_updates" not in inner:
+        return {}
+    d = inner[["num_updates", "loss"]].dropna()
+    return {int(u): float(v) for u, v in zip(d.num_updates, d.loss) if u >= curve_from}
+
+
+def largest_jump(losses):
+    """(jump, update): the largest excess of an interval's loss over the median of its
+    ``NEIGHBOURS`` neighbours on each side (a loss spike stands out; a steady trend gives 0), over
+    the intervals that have that many on both sides; (None, None) if none has."""
+    ups = sorted(losses)
+    best = (None, None)
+    for i in range(NEIGHBOURS, len(ups) - NEIGHBOURS):
+        u = ups[i]
+        around = ups[i - NEIGHBOURS:i] + ups[i + 1:i + 1 + NEIGHBOURS]
+        vals = sorted(losses[x] for x in around)
+        mid = len(vals) // 2
+        median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+        jump = losses[u] - median
+        if best[0] is None or jump > best[0]:
+            best = (jump, u)
+    return best
+
+
+def curve_metrics(runs, curve_from=CURVE_FROM):
+    """Adds to each run's metrics its largest loss jump (and where), and for runs after the first
+    the mean and standard deviation of its interval losses minus the first run's, over the
+    intervals both logged at the same update (from ``curve_from`` on): the loss curve within
+    noise shows as a mean near 0 with a s.d. like that of two seeds of one model."""
+    base = _interval_losses(runs[0], curve_from)
+    for i, run in enumerate(runs):
+        losses = base if i == 0 else _interval_losses(run, curve_from)
+        run.metrics["loss_jump"], run.metrics["loss_jump_update"] = largest_jump(losses)
+        run.metrics["loss_diff_mean"] = run.metrics["loss_diff_sd"] = None
+        run.metrics["loss_diff_intervals"] = None
+        if i == 0:
+            continue
+        common = sorted(set(base) & set(losses))
+        if len(common) < 2:
+            run.missing.append("loss curve against {}: fewer than 2 intervals logged at the same "
+                               "update from update {} on".format(runs[0].label, curve_from))
+            continue
+        diffs = [losses[u] - base[u] for u in common]
+        mean = sum(diffs) / len(diffs)
+        run.metrics["loss_diff_mean"] = mean
+        run.metrics["loss_diff_sd"] = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+        run.metrics["loss_diff_intervals"] = len(common)
+
+
+# --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
 
@@ -624,6 +688,11 @@ ROWS = [
     ("valid_loss", "final valid loss", "{:.3f}", "delta"),
     ("valid_nll_loss", "final valid nll_loss", "{:.3f}", "delta"),
     ("best_valid_loss", "best valid loss", "{:.3f}", "delta"),
+    ("loss_diff_mean", "interval loss − first run's, mean", "{:+.4f}", None),
+    ("loss_diff_sd", "interval loss − first run's, s.d.", "{:.4f}", None),
+    ("loss_diff_intervals", "intervals compared", "{:.0f}", None),
+    ("loss_jump", "largest interval loss jump over its neighbours", "{:+.3f}", None),
+    ("loss_jump_update", "… at update", "{:.0f}", None),
     ("bleu_sacrebleu", "BLEU sacreBLEU (detok)", "{:.2f}", "delta"),
     ("bleu_compound_split", "BLEU tok + compound split", "{:.2f}", "delta"),
     ("bleu_generate", "BLEU fairseq-generate (tok)", "{:.2f}", "delta"),
@@ -727,7 +796,7 @@ def write_plots(runs, out_dir):
     return paths
 
 
-def compare(paths, labels=None, out_dir="compare_out", plots=True):
+def compare(paths, labels=None, out_dir="compare_out", plots=True, curve_from=CURVE_FROM):
     """Load the runs; -> (runs, markdown report, plot paths)."""
     if labels is None:
         labels = []
@@ -741,6 +810,7 @@ def compare(paths, labels=None, out_dir="compare_out", plots=True):
         if len(set(labels)) < len(labels):
             labels = ["{}:{}".format(i + 1, n) for i, n in enumerate(labels)]
     runs = [load_run(p, lab) for p, lab in zip(paths, labels)]
+    curve_metrics(runs, curve_from)
     report = ["## Runs", ""]
     for r in runs:
         arch = r.log.arch if r.log and r.log.arch else "?"
@@ -752,6 +822,9 @@ def compare(paths, labels=None, out_dir="compare_out", plots=True):
     report.append("wps/ups: mean over the logged intervals, without the first interval of each epoch and "
                   "session (it includes validation, checkpointing or warm-up). Ratios: each run divided by {}; "
                   "(+x): difference.".format(runs[0].label))
+    report.append("Loss-curve rows: the training intervals from update {} on; the differences are taken "
+                  "at the updates both runs logged, the jump is an interval's loss minus the median of "
+                  "the {} intervals around it.".format(curve_from, 2 * NEIGHBOURS))
     report.append("")
     sources = {r.time_source for r in runs if r.time_source}
     if len(sources) > 1:
@@ -792,7 +865,12 @@ def main(argv=None):
     parser.add_argument("--out-dir", default="compare_out", help="where the PNG plots go (default: %(default)s)")
     parser.add_argument("--no-plots", action="store_true", help="only print the table")
     parser.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
+    parser.add_argument("--curve-from", type=int, default=CURVE_FROM, metavar="N",
+                        help="the loss-curve rows use the training intervals from update N on "
+                             "(default: %(default)s, past the warm-up's steep descent)")
     args = parser.parse_args(argv)
+    if args.curve_from < 0:
+        parser.error("--curve-from must be >= 0, got {}".format(args.curve_from))
     # importing the ls_fairseq package imports fairseq, which leaves the root logger at DEBUG:
     # keep matplotlib's font-search chatter out of the report
     logging.getLogger().setLevel(logging.WARNING)
@@ -805,7 +883,8 @@ def main(argv=None):
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.runs):
         parser.error("--labels has {} names for {} runs".format(len(labels), len(args.runs)))
-    runs, report, plot_paths = compare(args.runs, labels, args.out_dir, plots=not args.no_plots)
+    runs, report, plot_paths = compare(args.runs, labels, args.out_dir, plots=not args.no_plots,
+                                       curve_from=args.curve_from)
     print(report)
     if not args.no_plots:
         print("")
