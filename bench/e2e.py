@@ -9,7 +9,9 @@ On a GPU machine this script
      sees every batch shape for the first time ("unseen shapes"), the last epoch repeats them
      ("steady state"),
   4. prints a markdown table (wps unseen/steady, updates/s, peak memory, MFU, ls_/baseline ratio)
-     and writes it, with device, date, commit and command, to --markdown.
+     and a loss-curve table (each run's interval losses against the first baseline's of its
+     --max-tokens, and its largest loss spike: ``ls-fairseq-compare``'s statistics), and writes
+     them, with device, date, commit and command, to --markdown.
 
 Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy, adam),
 ``baseline_nocudnn`` (the same with cuDNN SDPA disabled, the best baseline a careful user gets by
@@ -47,6 +49,9 @@ import time
 import numpy as np
 
 import profile_summary
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ls_fairseq.cli.compare import CURVE_FROM, largest_jump, loss_difference  # noqa: E402
 
 FLOP_PER_TOKEN = 1.27e9
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -244,7 +249,8 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     wall = time.time() - start
     log = proc.stdout + proc.stderr
     tag = "profile" if profile_at is not None else "train"
-    with open(os.path.join(log_dir, f"{tag}_{variant}_{max_tokens}.log"), "w") as f:
+    seed = "" if args.seed == 1 else f"_seed{args.seed}"  # runs of several seeds share log_dir
+    with open(os.path.join(log_dir, f"{tag}_{variant}_{max_tokens}{seed}.log"), "w") as f:
         f.write(log)
     if proc.returncode != 0:
         oom = "out of memory" in log.lower()
@@ -270,6 +276,9 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     row["mfu_steady"] = mfu(row.get("wps_steady", 0), args.peak_tflops)
     row["loss_first"] = float(inner[0]["loss"]) if inner else None
     row["loss_last"] = float(inner[-1]["loss"]) if inner else None
+    row["loss_by_update"] = {int(s["num_updates"]): float(s["loss"]) for s in inner
+                             if "loss" in s and "num_updates" in s}
+    row["fp16_overflows"] = log.count("gradient overflow detected")
     return row
 
 
@@ -314,6 +323,33 @@ def markdown(rows):
                 f"{fmt(r.get('mfu_steady_intervals'), '.1%')} | {fmt(ratio_u, '.2f')}× | "
                 f"{fmt(ratio_s, '.2f')}× | {fmt(mem, '.2f')} | {fmt(dev, '.2f')} |"
                 .replace("–×", "–"))
+    return "\n".join(lines)
+
+
+def fidelity_markdown(rows, curve_from=CURVE_FROM):
+    """The loss curve of each run against the first baseline of its --max-tokens (the rows of
+    ``ls-fairseq-compare``): the mean and s.d. of their interval losses' differences at the
+    updates both logged from ``curve_from`` on, and each run's largest interval loss jump over
+    its 10 neighbouring intervals, with its fp16 overflow count."""
+    lines = [f"Loss curves, intervals from update {curve_from} on (as `ls-fairseq-compare`):", "",
+             "| max-tokens | variant | intervals vs baseline | loss − baseline, mean | s.d. | "
+             "largest jump over neighbours (update) | fp16 overflows |", "|---|---|---|---|---|---|---|"]
+    by_mt = {}
+    for r in rows:
+        if "error" not in r and r.get("loss_by_update"):
+            by_mt.setdefault(r["max_tokens"], []).append(r)
+    for mt, group in sorted(by_mt.items()):
+        curves = [{int(u): v for u, v in r["loss_by_update"].items() if int(u) >= curve_from}
+                  for r in group]
+        base = next((c for r, c in zip(group, curves) if r["variant"].startswith("baseline")), None)
+        for r, curve in zip(group, curves):
+            mean = sd = n = None
+            if base is not None and curve is not base:
+                mean, sd, n = loss_difference(base, curve)
+            jump, at = largest_jump(curve)
+            lines.append(f"| {mt} | {r['variant']} | {fmt(n, 'd')} | {fmt(mean, '+.4f')} | "
+                         f"{fmt(sd, '.4f')} | {fmt(jump, '+.3f')} ({fmt(at, 'd')}) | "
+                         f"{fmt(r.get('fp16_overflows'), 'd')} |")
     return "\n".join(lines)
 
 
@@ -405,10 +441,11 @@ def main():
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
-    commit = os.environ.get("LS_BENCH_COMMIT") or subprocess.run(
+    commit = os.environ.get("LS_BENCH_COMMIT") or ((subprocess.run(
         ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-        text=True).stdout.strip() or "unknown"
-    table = markdown(rows)
+        text=True).stdout.strip() or "unknown") + " (from git, not LS_BENCH_COMMIT: on the "
+        "device the tree's git state may be stale)")
+    table = markdown(rows) + "\n\n" + fidelity_markdown(rows)
     header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
               f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n")
     prof_md = profile_markdown(profiles)

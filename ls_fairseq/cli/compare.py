@@ -643,6 +643,17 @@ def largest_jump(losses):
     return best
 
 
+def loss_difference(base, other):
+    """(mean, sample s.d., count) of ``other[u] - base[u]`` over the updates u both have
+    ({num_updates: loss} each); (None, None, count) with fewer than 2."""
+    common = sorted(set(base) & set(other))
+    if len(common) < 2:
+        return None, None, len(common)
+    diffs = [other[u] - base[u] for u in common]
+    mean = sum(diffs) / len(diffs)
+    return mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)), len(common)
+
+
 def curve_metrics(runs, curve_from=CURVE_FROM):
     """Adds to each run's metrics its largest loss jump (and where), and for runs after the first
     the mean and standard deviation of its interval losses minus the first run's, over the
@@ -656,16 +667,13 @@ def curve_metrics(runs, curve_from=CURVE_FROM):
         run.metrics["loss_diff_intervals"] = None
         if i == 0:
             continue
-        common = sorted(set(base) & set(losses))
-        if len(common) < 2:
+        mean, sd, n = loss_difference(base, losses)
+        if mean is None:
             run.missing.append("loss curve against {}: fewer than 2 intervals logged at the same "
                                "update from update {} on".format(runs[0].label, curve_from))
             continue
-        diffs = [losses[u] - base[u] for u in common]
-        mean = sum(diffs) / len(diffs)
-        run.metrics["loss_diff_mean"] = mean
-        run.metrics["loss_diff_sd"] = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
-        run.metrics["loss_diff_intervals"] = len(common)
+        run.metrics["loss_diff_mean"], run.metrics["loss_diff_sd"] = mean, sd
+        run.metrics["loss_diff_intervals"] = n
 
 
 # --------------------------------------------------------------------------------------------

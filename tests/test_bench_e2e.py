@@ -1,0 +1,39 @@
+"""bench/e2e.py's loss-curve table (``fidelity_markdown``): each run against the first baseline of
+its --max-tokens, with the same statistics as ``ls-fairseq-compare`` (tests/test_compare.py has
+their definitions on closed-form curves; here, that e2e applies them per batch size and to the
+right reference, also after a JSON round trip, whose keys are strings)."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
+import e2e  # noqa: E402
+
+
+def _row(variant, max_tokens, curve, overflows=0):
+    return {"variant": variant, "max_tokens": max_tokens, "fp16_overflows": overflows,
+            "loss_by_update": curve}
+
+
+def test_fidelity_table_against_each_batch_sizes_baseline():
+    # eighths: exact in binary, so a straight line has jumps of exactly 0 (the first interval
+    # with 5 neighbours on each side, update 350, is then the largest)
+    line = {u: (10000 - u) / 8 for u in range(10, 1010, 10)}
+    spiked = {u: v + 0.125 + (1.0 if u == 500 else 0.0) for u, v in line.items()}
+    shifted = {u: v - 0.25 for u, v in line.items()}
+    rows = [_row("baseline_nocudnn", 8192, line, 4), _row("ls_deferred", 8192, spiked, 5),
+            _row("ls_deferred", 16384, line), _row("baseline_nocudnn", 16384, shifted),
+            _row("ls", 8192, line) | {"error": "OOM"}]
+    rows = json.loads(json.dumps(rows))  # as read back from --json
+    table = e2e.fidelity_markdown(rows).splitlines()
+    assert table[0] == "Loss curves, intervals from update 300 on (as `ls-fairseq-compare`):"
+    body = [r for r in table if r.startswith("| 8192") or r.startswith("| 16384")]
+    assert body == [
+        "| 8192 | baseline_nocudnn | – | – | – | +0.000 (350) | 4 |",
+        # 0.125 seventy times, 1.125 once: mean 0.125 + 1/71, s.d. sqrt(1/71)
+        "| 8192 | ls_deferred | 71 | +0.1391 | 0.1187 | +1.000 (500) | 5 |",
+        # the 16384 baseline is logged second: the ls_ run still compares against it
+        "| 16384 | ls_deferred | 71 | +0.2500 | 0.0000 | +0.000 (350) | 0 |",
+        "| 16384 | baseline_nocudnn | – | – | – | +0.000 (350) | 0 |",
+    ]
