@@ -26,8 +26,17 @@ What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
   right after the warm-up, and after eager computations, at most once every 16 graph steps (a
   release synchronises the device, and the next eager step allocates afresh).
 
+* **No eager training step beside the pool** (``CudaGraphedLoss._grow_lazy_state``): with
+  first-sighting captures, a shape larger than every step so far grows the model's lazy state in
+  a forward without gradients and is captured at once, instead of running an eager step whose
+  activations would sit next to the idle pool (that step set the process's peak).
+
+Measured on the H100 (session 17, docs/PERFORMANCE.md): 8.4 GB held at 8192 tokens and 12.3 GB at
+16384 (fairseq 20.0 and 26.9 GB; before: 17.1 and 27.4 GB), at the same speed.
+
 ``grow`` keeps the allocator's default behaviour (as before session 17). Without
-``torch.cuda.MemPool`` (torch < 2.5) there is no arena, only the release.
+``torch.cuda.MemPool`` and ``torch.cuda.use_mem_pool`` (older torch) there is no arena, only the
+release and the gradient-free forward.
 """
 import contextlib
 import logging
