@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--shapes", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=6700)
     ap.add_argument("--warm-up", choices=["once", "every-shape"], default="once")
+    ap.add_argument("--memory", choices=["compact", "grow"], default="compact",
+                    help="--ls-cuda-graphs-memory (bench/graph_memory.py breaks memory down)")
     args = ap.parse_args()
     torch.cuda.CUDAGraph = TimedGraph  # read by cuda_graphs.py at each capture
     d = make_dictionary(32000)
@@ -62,7 +64,8 @@ def main():
                                   "--attention-dropout", "0.1", "--activation-dropout", "0.1"])
     model = model.cuda().half().train()
     crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(d), sentence_avg=False,
-                                                label_smoothing=0.1, ls_cuda_graphs=True)
+                                                label_smoothing=0.1, ls_cuda_graphs=True,
+                                                ls_cuda_graphs_memory=args.memory)
     runner = crit.graphs  # the criterion's CudaGraphedLoss
     runner._warm_up = timed("warm-up step", runner._warm_up)
     runner._captured = timed("captured fn + capture_end", runner._captured)
