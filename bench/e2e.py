@@ -50,12 +50,11 @@ import numpy as np
 
 import profile_summary
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ls_fairseq.cli.compare import CURVE_FROM, largest_jump, loss_difference  # noqa: E402
-
 FLOP_PER_TOKEN = 1.27e9
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from ls_fairseq.cli.compare import CURVE_FROM, largest_jump, loss_difference  # noqa: E402
 
 VARIANTS = {
     "baseline": dict(arch="transformer_wmt_en_de_big_t2t", criterion="label_smoothed_cross_entropy",

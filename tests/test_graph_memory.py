@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch  # noqa: E402
 from ls_fairseq.criterions import graph_memory  # noqa: E402
 from ls_fairseq.criterions.cuda_graphs import CudaGraphedLoss  # noqa: E402
-from ls_fairseq.criterions.graph_memory import expected_need, token_slots  # noqa: E402
+from ls_fairseq.criterions.graph_memory import expected_need, token_counts  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
@@ -23,10 +23,10 @@ def _shapes(rows, src_len, tgt_len):
     return [(rows, tgt_len), (rows,), (rows, src_len), (rows, tgt_len)]
 
 
-def test_token_slots_count_token_tensors_only():
-    assert token_slots(_shapes(8, 30, 20)) == (160, 240, 160)
-    assert token_slots([(5,), (3, 4, 2)]) == (24,)
-    assert token_slots([(7,)]) == ()
+def test_token_counts_count_token_tensors_only():
+    assert token_counts(_shapes(8, 30, 20)) == (160, 240, 160)
+    assert token_counts([(5,), (3, 4, 2)]) == (24,)
+    assert token_counts([(7,)]) == ()
 
 
 @pytest.mark.parametrize("shape,scale", [
@@ -37,13 +37,13 @@ def test_token_slots_count_token_tensors_only():
     ((6, 50, 10), 1.25),    # more source, less target: the larger ratio counts
 ])
 def test_expected_need_scales_with_the_largest_token_ratio(shape, scale):
-    unit = (1000, token_slots(_shapes(8, 30, 20)))
+    unit = (1000, token_counts(_shapes(8, 30, 20)))
     assert expected_need(unit, _shapes(*shape)) == int(1000 * scale * graph_memory.HEADROOM)
 
 
 def test_expected_need_without_a_comparable_unit():
     assert expected_need(None, _shapes(8, 30, 20)) is None
-    unit = (1000, token_slots(_shapes(8, 30, 20)))
+    unit = (1000, token_counts(_shapes(8, 30, 20)))
     assert expected_need(unit, [(8, 30)]) is None  # other inputs than the unit's
     assert expected_need(unit, [(8,), (8,)]) is None  # no token tensors
 

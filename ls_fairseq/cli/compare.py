@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import re
+import statistics
 import sys
 from collections import OrderedDict
 
@@ -634,10 +635,7 @@ def largest_jump(losses):
     for i in range(NEIGHBOURS, len(ups) - NEIGHBOURS):
         u = ups[i]
         around = ups[i - NEIGHBOURS:i] + ups[i + 1:i + 1 + NEIGHBOURS]
-        vals = sorted(losses[x] for x in around)
-        mid = len(vals) // 2
-        median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-        jump = losses[u] - median
+        jump = losses[u] - statistics.median(losses[x] for x in around)
         if best[0] is None or jump > best[0]:
             best = (jump, u)
     return best
@@ -650,8 +648,7 @@ def loss_difference(base, other):
     if len(common) < 2:
         return None, None, len(common)
     diffs = [other[u] - base[u] for u in common]
-    mean = sum(diffs) / len(diffs)
-    return mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)), len(common)
+    return statistics.mean(diffs), statistics.stdev(diffs), len(common)
 
 
 def curve_metrics(runs, curve_from=CURVE_FROM):

@@ -12,8 +12,8 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   bucketed shapes, which recur) it is captured at once, unless it is larger in some dimension
   than every step run so far (``CapturePolicy``): then it runs eagerly first, or, with
   ``--ls-cuda-graphs-memory compact`` (the default), a forward without gradients grows the lazy
-  state and the shape is captured at once (``_grow_lazy_state``). Capturing means: the criterion's forward
-  (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
+  state and the shape is captured at once (``_grow_lazy_state``). Capturing means: the
+  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
   second, which adds the gradients into fixed accumulator buffers; the step itself is then the
   first replay. Before the first capture, one more eager step on the capture stream
   (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
@@ -244,7 +244,7 @@ class CudaGraphedLoss:
                 if not (self.policy.first_sighting and self.memory == "compact"):
                     return self._eager(model, sample, compute, sync and ddp, key)
                 self._grow_lazy_state(model, sample, compute)
-            graphs = self._capture(model, sample, compute, record_ready=ddp is not None)
+            graphs = self._capture(model, sample, compute, key[1], record_ready=ddp is not None)
             self.policy.ran(*key)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
@@ -484,7 +484,9 @@ class CudaGraphedLoss:
                 flush(b)
         return ready if record_ready else None
 
-    def _capture(self, model, sample, compute, record_ready=False):
+    def _capture(self, model, sample, compute, shapes, record_ready=False):
+        """Captures the step of ``sample``, whose inputs have ``shapes`` (the key's: net_input
+        by name, then target)."""
         device = self._params[0].device
         if self._memory is None:
             self._memory = GraphMemory(device, compact=self.memory == "compact")
@@ -493,7 +495,6 @@ class CudaGraphedLoss:
         keys = sorted(sample["net_input"])
         static_inputs = [sample["net_input"][k].clone() for k in keys] + [sample["target"].clone()]
         static_sample = self._static_sample(sample, static_inputs)
-        shapes = [tuple(t.shape) for t in static_inputs]
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
         if not self._stream_warm:

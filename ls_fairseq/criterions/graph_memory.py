@@ -15,7 +15,7 @@ Why: on the H100 (session 16) the process held 17.1 GB at ``--max-tokens 8192`` 
 What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
 
 * **Arena.** Before the pool's first capture, the pool gets one free segment as large as that
-  capture is expected to need: the warm-up step's footprint, scaled by how many more token slots
+  capture is expected to need: the warm-up step's footprint, scaled by how many more tokens
   the shape has, plus 10%. It is allocated and freed in the pool (``torch.cuda.use_mem_pool``),
   so it stays there, and each capture's tensors split it and coalesce back into it when they are
   freed: shapes of other sizes reuse the same memory instead of adding segments sized for their
@@ -25,7 +25,6 @@ What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
 * **Release.** The default pool's free cache goes back to the driver (``torch.cuda.empty_cache``)
   right after the warm-up, and after eager computations, at most once every 16 graph steps (a
   release synchronises the device, and the next eager step allocates afresh).
-
 * **No eager training step beside the pool** (``CudaGraphedLoss._grow_lazy_state``): with
   first-sighting captures, a shape larger than every step so far grows the model's lazy state in
   a forward without gradients and is captured at once, instead of running an eager step whose
@@ -40,6 +39,7 @@ release and the gradient-free forward.
 """
 import contextlib
 import logging
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -54,27 +54,20 @@ _MIN_ARENA = 64 << 20  # smaller needs are left to the allocator
 _KEEP_FREE = 1 << 30  # an arena never takes the device's last GiB
 
 
-def token_slots(shapes: Sequence[Sequence[int]]) -> tuple:
+def token_counts(shapes: Sequence[Sequence[int]]) -> tuple:
     """Per input of two or more dimensions (token tensors: source, decoder input, target), its
     element count; 1-D inputs (lengths) say little about the memory a step needs."""
-    out = []
-    for shape in shapes:
-        if len(shape) >= 2:
-            n = 1
-            for d in shape:
-                n *= d
-            out.append(n)
-    return tuple(out)
+    return tuple(math.prod(shape) for shape in shapes if len(shape) >= 2)
 
 
 def expected_need(unit, shapes) -> Optional[int]:
     """Bytes a capture of a step with these input shapes is expected to need, from ``unit`` =
-    (bytes, token_slots) measured on another step: scaled by the largest ratio of token slots
+    (bytes, token_counts) measured on another step: scaled by the largest ratio of token counts
     (memory grows with the tokens of each side), plus ``HEADROOM``. None: no estimate."""
     if unit is None:
         return None
     unit_bytes, unit_slots = unit
-    slots = token_slots(shapes)
+    slots = token_counts(shapes)
     if not slots or len(slots) != len(unit_slots):
         return None
     scale = max(n / u for n, u in zip(slots, unit_slots))
@@ -90,7 +83,7 @@ class GraphMemory:
         self._mem_pool = None
         self.handle = None  # the pool handle captures use (capture_begin(pool=...))
         self.arena_bytes = 0
-        self._unit = None  # (bytes, token_slots) of the warm-up step
+        self._unit = None  # (bytes, token_counts) of the warm-up step
         self._dirty = False  # eager work ran since the last release
         self._since_release = RELEASE_EVERY
         self.stats = {"released": 0}
@@ -133,7 +126,7 @@ class GraphMemory:
         before = torch.cuda.memory_reserved(self.device)
         yield
         footprint = torch.cuda.memory_reserved(self.device) - before
-        slots = token_slots(shapes)
+        slots = token_counts(shapes)
         if footprint > 0 and slots and min(slots) > 0:
             self._unit = (footprint, slots)
         if self.compact:
