@@ -234,6 +234,19 @@ def interval_wps(inner, epoch):
     return time_weighted_wps(rows) if rows else None
 
 
+def run_failure(returncode, log):
+    """Why a fairseq-train run does not count, or None. On one GPU fairseq's trainer catches an
+    out-of-memory error in the forward or backward, skips that batch and goes on, so a batch size
+    that does not fit can still exit 0: a run with skipped batches is reported as OOM (the
+    largest --max-tokens that fits is the largest without any)."""
+    skipped = log.count("attempting to recover from OOM")
+    if skipped:
+        return f"OOM ({skipped} batches skipped)"
+    if returncode != 0:
+        return "OOM" if "out of memory" in log.lower() else log[-1500:]
+    return None
+
+
 def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
     env = dict(os.environ, BENCH_CUDNN_SDPA="1" if VARIANTS[variant]["cudnn_sdpa"] else "0",
                BENCH_HERE=HERE, PYTHONUNBUFFERED="1")
@@ -251,9 +264,9 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     seed = "" if args.seed == 1 else f"_seed{args.seed}"  # runs of several seeds share log_dir
     with open(os.path.join(log_dir, f"{tag}_{variant}_{max_tokens}{seed}.log"), "w") as f:
         f.write(log)
-    if proc.returncode != 0:
-        oom = "out of memory" in log.lower()
-        return {"variant": variant, "max_tokens": max_tokens, "error": "OOM" if oom else log[-1500:]}
+    failure = run_failure(proc.returncode, log)
+    if failure:
+        return {"variant": variant, "max_tokens": max_tokens, "error": failure}
     inner, epochs, peak, (reserved_gb, device_gb) = parse_log(log)
     if profile_at is not None:
         found = re.findall(r"BENCH_PROFILE (\{.*\})", log)

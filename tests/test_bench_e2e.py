@@ -37,3 +37,14 @@ def test_fidelity_table_against_each_batch_sizes_baseline():
         "| 16384 | ls_deferred | 71 | +0.2500 | 0.0000 | +0.000 (350) | 0 |",
         "| 16384 | baseline_nocudnn | – | – | – | +0.000 (350) | 0 |",
     ]
+
+
+def test_a_run_with_batches_skipped_for_memory_does_not_count():
+    # fairseq-train's own words when it skips a batch (trainer.train_step, one GPU): exit code 0
+    oom_log = ("2026-11-25 | WARNING | fairseq.trainer | OOM: Ran out of memory with exception: "
+               "CUDA out of memory.\n2026-11-25 | WARNING | fairseq.trainer | attempting to "
+               "recover from OOM in forward/backward pass\n") * 3
+    assert e2e.run_failure(0, oom_log) == "OOM (3 batches skipped)"
+    assert e2e.run_failure(1, "RuntimeError: CUDA out of memory. Tried to allocate") == "OOM"
+    assert e2e.run_failure(1, "x" * 2000 + "Traceback") == ("x" * 2000 + "Traceback")[-1500:]
+    assert e2e.run_failure(0, "| train | {\"loss\": \"10.4\"}") is None
