@@ -20,7 +20,10 @@ if [ "$TESTS" != "none" ]; then
 fi
 echo "build+tests $(( $(date +%s) - t0 ))s"
 if [ $# -gt 0 ]; then
-  python3 bench/e2e.py --markdown "$OUT/e2e.md" --json "$OUT/e2e.json" --log-dir /tmp/e2e_logs "$@" 2>&1 | tail -30
+  # the whole output in $OUT as it comes (each finished run prints its JSON row): a call cut
+  # off by its time limit still returns the runs it finished
+  python3 bench/e2e.py --markdown "$OUT/e2e.md" --json "$OUT/e2e.json" --log-dir /tmp/e2e_logs "$@" 2>&1 \
+    | tee "$OUT/e2e_stdout.log" | tail -30
   tar czf "$OUT/e2e_logs.tgz" -C /tmp e2e_logs 2>/dev/null
 fi
 echo "total $(( $(date +%s) - t0 ))s"
