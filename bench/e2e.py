@@ -74,6 +74,9 @@ VARIANTS = {
 
 VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"]["flags"] + [
     "--ls-deferred-overflow-check"])
+# the deferred overflow check without CUDA graphs (separates the two in fidelity runs)
+VARIANTS["ls_deferred_eager"] = dict(VARIANTS["ls"], flags=VARIANTS["ls"]["flags"] + [
+    "--ls-deferred-overflow-check"])
 # one graph per batch shape, as before --ls-shape-buckets (on by default with --ls-cuda-graphs)
 VARIANTS["ls_deferred_nobuckets"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-shape-buckets", "0"])
