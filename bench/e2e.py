@@ -54,7 +54,8 @@ FLOP_PER_TOKEN = 1.27e9
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from ls_fairseq.cli.compare import CURVE_FROM, largest_jump, loss_difference  # noqa: E402
+from ls_fairseq.cli.compare import (  # noqa: E402
+    CURVE_FROM, holds_skipped_update, largest_jump, loss_difference)
 
 VARIANTS = {
     "baseline": dict(arch="transformer_wmt_en_de_big_t2t", criterion="label_smoothed_cross_entropy",
@@ -293,6 +294,9 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     row["loss_last"] = float(inner[-1]["loss"]) if inner else None
     row["loss_by_update"] = {int(s["num_updates"]): float(s["loss"]) for s in inner
                              if "loss" in s and "num_updates" in s}
+    # intervals holding an update that overflowed (logged only with --ls-deferred-overflow-check)
+    row["skipped_update_intervals"] = [int(s["num_updates"]) for s in inner if "num_updates" in s
+                                       and holds_skipped_update(float(s.get("gnorm", 0)))]
     row["fp16_overflows"] = log.count("gradient overflow detected")
     return row
 
@@ -345,26 +349,31 @@ def fidelity_markdown(rows, curve_from=CURVE_FROM):
     """The loss curve of each run against the first baseline of its --max-tokens (the rows of
     ``ls-fairseq-compare``): the mean and s.d. of their interval losses' differences at the
     updates both logged from ``curve_from`` on, and each run's largest interval loss jump over
-    its 10 neighbouring intervals, with its fp16 overflow count."""
+    its 10 neighbouring intervals, with its fp16 overflow count. As there, intervals holding an
+    update that overflowed (which fairseq does not log) are left out, and counted."""
     lines = [f"Loss curves, intervals from update {curve_from} on (as `ls-fairseq-compare`):", "",
              "| max-tokens | variant | intervals vs baseline | loss − baseline, mean | s.d. | "
-             "largest jump over neighbours (update) | fp16 overflows |", "|---|---|---|---|---|---|---|"]
+             "largest jump over neighbours (update) | fp16 overflows | intervals left out |",
+             "|---|---|---|---|---|---|---|---|"]
     by_mt = {}
     for r in rows:
         if "error" not in r and r.get("loss_by_update"):
             by_mt.setdefault(r["max_tokens"], []).append(r)
     for mt, group in sorted(by_mt.items()):
-        curves = [{int(u): v for u, v in r["loss_by_update"].items() if int(u) >= curve_from}
-                  for r in group]
+        left_out = [{int(u) for u in r.get("skipped_update_intervals", ())} for r in group]
+        curves = [{int(u): v for u, v in r["loss_by_update"].items()
+                   if int(u) >= curve_from and int(u) not in skip}
+                  for r, skip in zip(group, left_out)]
         base = next((c for r, c in zip(group, curves) if r["variant"].startswith("baseline")), None)
-        for r, curve in zip(group, curves):
+        for r, curve, skip in zip(group, curves, left_out):
             mean = sd = n = None
             if base is not None and curve is not base:
                 mean, sd, n = loss_difference(base, curve)
             jump, at = largest_jump(curve)
             lines.append(f"| {mt} | {r['variant']} | {fmt(n, 'd')} | {fmt(mean, '+.4f')} | "
                          f"{fmt(sd, '.4f')} | {fmt(jump, '+.3f')} ({fmt(at, 'd')}) | "
-                         f"{fmt(r.get('fp16_overflows'), 'd')} |")
+                         f"{fmt(r.get('fp16_overflows'), 'd')} | "
+                         f"{sum(u >= curve_from for u in skip)} |")
     return "\n".join(lines)
 
 

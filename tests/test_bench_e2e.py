@@ -11,9 +11,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import e2e  # noqa: E402
 
 
-def _row(variant, max_tokens, curve, overflows=0):
+def _row(variant, max_tokens, curve, overflows=0, skipped=()):
     return {"variant": variant, "max_tokens": max_tokens, "fp16_overflows": overflows,
-            "loss_by_update": curve}
+            "loss_by_update": curve, "skipped_update_intervals": list(skipped)}
 
 
 def test_fidelity_table_against_each_batch_sizes_baseline():
@@ -30,13 +30,27 @@ def test_fidelity_table_against_each_batch_sizes_baseline():
     assert table[0] == "Loss curves, intervals from update 300 on (as `ls-fairseq-compare`):"
     body = [r for r in table if r.startswith("| 8192") or r.startswith("| 16384")]
     assert body == [
-        "| 8192 | baseline_nocudnn | – | – | – | +0.000 (350) | 4 |",
+        "| 8192 | baseline_nocudnn | – | – | – | +0.000 (350) | 4 | 0 |",
         # 0.125 seventy times, 1.125 once: mean 0.125 + 1/71, s.d. sqrt(1/71)
-        "| 8192 | ls_deferred | 71 | +0.1391 | 0.1187 | +1.000 (500) | 5 |",
+        "| 8192 | ls_deferred | 71 | +0.1391 | 0.1187 | +1.000 (500) | 5 | 0 |",
         # the 16384 baseline is logged second: the ls_ run still compares against it
-        "| 16384 | ls_deferred | 71 | +0.2500 | 0.0000 | +0.000 (350) | 0 |",
-        "| 16384 | baseline_nocudnn | – | – | – | +0.000 (350) | 0 |",
+        "| 16384 | ls_deferred | 71 | +0.2500 | 0.0000 | +0.000 (350) | 0 | 0 |",
+        "| 16384 | baseline_nocudnn | – | – | – | +0.000 (350) | 0 | 0 |",
     ]
+
+
+def test_fidelity_table_leaves_out_intervals_with_a_skipped_update():
+    # the spike's interval logged a non-finite gnorm (an overflowing update, logged only with
+    # --ls-deferred-overflow-check), and so did one before update 300: the spike is left out,
+    # 70 intervals of +0.125 remain, and one interval from update 300 on is counted as left out.
+    # The largest jump is now the gap's: at 490 the neighbours' median is the line at 495 (its
+    # 5th and 6th neighbours are 480 and 510), 5/8 below it
+    line = {u: (10000 - u) / 8 for u in range(10, 1010, 10)}
+    spiked = {u: v + 0.125 + (1.0 if u == 500 else 0.0) for u, v in line.items()}
+    rows = json.loads(json.dumps([_row("baseline_nocudnn", 8192, line),
+                                  _row("ls_deferred", 8192, spiked, 2, skipped=(200, 500))]))
+    body = [r for r in e2e.fidelity_markdown(rows).splitlines() if r.startswith("| 8192")]
+    assert body[1] == "| 8192 | ls_deferred | 70 | +0.1250 | 0.0000 | +0.625 (490) | 2 | 1 |"
 
 
 def test_a_run_with_batches_skipped_for_memory_does_not_count():

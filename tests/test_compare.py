@@ -359,12 +359,15 @@ def test_fairseq_train_json_interrupted_and_resumed(data_bin, tmp_path, capsys):
 # the loss curve against the first run
 # --------------------------------------------------------------------------------------------
 
-def _write_inner_log(path, losses):
-    """A json-format fairseq-train log of training intervals only: {num_updates: loss}."""
+def _write_inner_log(path, losses, gnorms=None):
+    """A json-format fairseq-train log of training intervals only: {num_updates: loss} (and
+    {num_updates: gnorm as fairseq writes it} where given)."""
     with open(path, "w") as f:
         for i, (u, loss) in enumerate(sorted(losses.items())):
             stats = {"epoch": 1, "update": round(u / 1000, 3), "loss": "{:.3f}".format(loss),
                      "num_updates": str(u), "wps": "1000", "ups": "1.0"}
+            if gnorms is not None:
+                stats["gnorm"] = gnorms.get(u, "0.8")
             f.write("2026-11-25 10:{:02d}:{:02d} | INFO | train_inner | {}\n".format(
                 i // 60, i % 60, json.dumps(stats)))
 
@@ -396,6 +399,30 @@ def test_loss_curve_rows(tmp_path, capsys):
     assert b["loss_diff_intervals"] == 41
     assert b["loss_diff_mean"] == pytest.approx(0.01, abs=1e-9)
     assert b["loss_diff_sd"] == pytest.approx(0, abs=1e-9)
+
+
+def test_loss_curve_rows_leave_out_intervals_with_an_overflowing_update(tmp_path, capsys):
+    """The same spike in an interval whose gnorm is "inf" (fairseq-train writes it so when
+    --ls-deferred-overflow-check logs an update that overflowed; "nan" likewise): left out, so
+    the remaining differences are all 0.01 and the largest jump is the gaps' (at 490 the median
+    of its neighbours is the line at 495, 0.005 below); a finite gnorm, however large, keeps its
+    interval."""
+    base = {u: 10 - 0.001 * u for u in range(10, 1010, 10)}
+    other = {u: v + 0.01 + (1.0 if u in (500, 700) else 0.0) for u, v in base.items()}
+    _write_inner_log(tmp_path / "a.log", base, {})
+    _write_inner_log(tmp_path / "b.log", other, {500: "inf", 700: "nan", 200: "inf"})
+    _write_inner_log(tmp_path / "c.log", other, {500: "inf", 700: "31.565"})
+    runs, report, _ = compare.compare([str(tmp_path / n) for n in ("a.log", "b.log", "c.log")],
+                                      plots=False)
+    a, b, c = (r.metrics for r in runs)
+    assert a["loss_skipped_intervals"] == 0 and b["loss_skipped_intervals"] == 2  # 200 < 300
+    assert b["loss_diff_intervals"] == 69
+    assert b["loss_diff_mean"] == pytest.approx(0.01, abs=1e-9)
+    assert b["loss_diff_sd"] == pytest.approx(0, abs=1e-9)
+    assert (b["loss_jump"], b["loss_jump_update"]) == (pytest.approx(0.005, abs=1e-9), 490)
+    assert c["loss_skipped_intervals"] == 1 and c["loss_diff_intervals"] == 70
+    assert (c["loss_jump"], c["loss_jump_update"]) == (pytest.approx(1.0, abs=1e-9), 700)
+    assert "| intervals left out (an overflowing update logged) | 0 | 2 | 1 |" in report
 
 
 def test_loss_curve_needs_common_updates(tmp_path):

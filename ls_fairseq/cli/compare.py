@@ -20,7 +20,9 @@ what it could not find, and writes PNG plots: loss vs updates, loss vs wall-cloc
 The loss-curve rows say whether a run's training loss follows the first run's: the mean and
 standard deviation of the differences of their interval losses logged at the same updates, and
 each run's largest loss spike over its neighbouring intervals (``--curve-from`` skips the
-warm-up).
+warm-up). Intervals with a non-finite gnorm hold an update that overflowed in fp16, which fairseq
+itself never logs (only ``--ls-deferred-overflow-check`` runs log them): they are left out and
+counted.
 """
 import argparse
 import glob
@@ -618,12 +620,30 @@ NEIGHBOURS = 5  # a jump is measured against the median of this many intervals o
 
 
 def _interval_losses(run, curve_from):
-    """{num_updates: loss} of the logged training intervals from update ``curve_from`` on."""
+    """{num_updates: loss} of the logged training intervals from update ``curve_from`` on, and
+    how many were left out because they hold a skipped update (:func:`holds_skipped_update`)."""
     inner = run.inner
     if inner is None or "loss" not in inner or "num_updates" not in inner:
-        return {}
-    d = inner[["num_updates", "loss"]].dropna()
-    return {int(u): float(v) for u, v in zip(d.num_updates, d.loss) if u >= curve_from}
+        return {}, 0
+    cols = ["num_updates", "loss"] + (["gnorm"] if "gnorm" in inner else [])
+    d = inner[cols].dropna(subset=["num_updates", "loss"])
+    d = d[d.num_updates >= curve_from]
+    gnorms = d.gnorm if "gnorm" in d else [None] * len(d)
+    kept = {int(u): float(v) for u, v, g in zip(d.num_updates, d.loss, gnorms)
+            if not holds_skipped_update(g)}
+    return kept, len(d) - len(kept)
+
+
+def holds_skipped_update(gnorm):
+    """Whether a logged interval holds an update whose fp16 gradients overflowed.
+
+    fairseq's trainer neither counts nor logs such an update. With ``--ls-deferred-overflow-check``
+    the trainer learns of the overflow one update late, so it counts and logs the update, with a
+    non-finite gnorm (``inf``/``nan``), which makes its interval's mean gnorm non-finite. Its loss
+    is that of a batch whose gradients overflowed, often far above its neighbours' (such batches
+    are what overflows), and fairseq's own curve never shows it: the loss-curve rows leave these
+    intervals out, so both kinds of run are compared on the updates fairseq would log."""
+    return gnorm is not None and not math.isfinite(gnorm)
 
 
 def largest_jump(losses):
@@ -656,9 +676,10 @@ def curve_metrics(runs, curve_from=CURVE_FROM):
     the mean and standard deviation of its interval losses minus the first run's, over the
     intervals both logged at the same update (from ``curve_from`` on): the loss curve within
     noise shows as a mean near 0 with a s.d. like that of two seeds of one model."""
-    base = _interval_losses(runs[0], curve_from)
+    base, _ = _interval_losses(runs[0], curve_from)
     for i, run in enumerate(runs):
-        losses = base if i == 0 else _interval_losses(run, curve_from)
+        losses, skipped = _interval_losses(run, curve_from)
+        run.metrics["loss_skipped_intervals"] = skipped
         run.metrics["loss_jump"], run.metrics["loss_jump_update"] = largest_jump(losses)
         run.metrics["loss_diff_mean"] = run.metrics["loss_diff_sd"] = None
         run.metrics["loss_diff_intervals"] = None
@@ -696,6 +717,7 @@ ROWS = [
     ("loss_diff_mean", "interval loss − first run's, mean", "{:+.4f}", None),
     ("loss_diff_sd", "interval loss − first run's, s.d.", "{:.4f}", None),
     ("loss_diff_intervals", "intervals compared", "{:.0f}", None),
+    ("loss_skipped_intervals", "intervals left out (an overflowing update logged)", "{:.0f}", None),
     ("loss_jump", "largest interval loss jump over its neighbours", "{:+.3f}", None),
     ("loss_jump_update", "… at update", "{:.0f}", None),
     ("bleu_sacrebleu", "BLEU sacreBLEU (detok)", "{:.2f}", "delta"),
@@ -829,7 +851,9 @@ def compare(paths, labels=None, out_dir="compare_out", plots=True, curve_from=CU
                   "(+x): difference.".format(runs[0].label))
     report.append("Loss-curve rows: the training intervals from update {} on; the differences are taken "
                   "at the updates both runs logged, the jump is an interval's loss minus the median of "
-                  "the {} intervals around it.".format(curve_from, 2 * NEIGHBOURS))
+                  "the {} intervals around it; intervals with a non-finite gnorm (an update whose fp16 gradients "
+                  "overflowed, which fairseq skips and does not log; --ls-deferred-overflow-check logs it) "
+                  "are left out.".format(curve_from, 2 * NEIGHBOURS))
     report.append("")
     sources = {r.time_source for r in runs if r.time_source}
     if len(sources) > 1:
