@@ -23,7 +23,10 @@ option (used by ``ls_adam``'s ``LSFusedFP16Optimizer``):
 What differs from fairseq, on overflowing updates only: fairseq's trainer does not count them
 (``num_updates`` and the lr schedule stay put) and logs nothing for them; here the trainer cannot
 know in time, so it counts the skipped update, logs its loss, and logs its gnorm as inf (NaN
-where the gradients hold NaNs). The
+where the gradients hold NaNs). That loss is the loss of a batch whose gradients overflowed,
+often far above its neighbours', so the logged curve shows spikes that fairseq's log would not
+(the weights are fairseq's: the update is skipped); ``ls-fairseq-compare`` leaves intervals with
+a non-finite gnorm out of its loss-curve rows (docs/PERFORMANCE.md, session 18). The
 logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes one update later.
 With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
 once per ``--fp16-scale-window`` updates).
@@ -136,4 +139,4 @@ class PendingOverflowCheck:
         except OverflowError as e:  # what fairseq's trainer logs, one update late
             logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {e} (found at "
                         f"the next update: --ls-deferred-overflow-check; the trainer counted "
-                        f"the skipped update)")
+                        f"the skipped update and logged its loss, which fairseq would not)")
