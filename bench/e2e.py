@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from ls_fairseq.cli.compare import (  # noqa: E402
-    CURVE_FROM, holds_skipped_update, largest_jump, loss_difference)
+    CURVE_FROM, holds_skipped_update, largest_jump, loss_curve, loss_difference)
 
 VARIANTS = {
     "baseline": dict(arch="transformer_wmt_en_de_big_t2t", criterion="label_smoothed_cross_entropy",
@@ -360,12 +360,15 @@ def fidelity_markdown(rows, curve_from=CURVE_FROM):
         if "error" not in r and r.get("loss_by_update"):
             by_mt.setdefault(r["max_tokens"], []).append(r)
     for mt, group in sorted(by_mt.items()):
-        left_out = [{int(u) for u in r.get("skipped_update_intervals", ())} for r in group]
-        curves = [{int(u): v for u, v in r["loss_by_update"].items()
-                   if int(u) >= curve_from and int(u) not in skip}
-                  for r, skip in zip(group, left_out)]
+        curves, left_out = [], []
+        for r in group:
+            skip = {int(u) for u in r.get("skipped_update_intervals", ())}
+            curve, n = loss_curve(((int(u), v, int(u) in skip)
+                                   for u, v in r["loss_by_update"].items()), curve_from)
+            curves.append(curve)
+            left_out.append(n)
         base = next((c for r, c in zip(group, curves) if r["variant"].startswith("baseline")), None)
-        for r, curve, skip in zip(group, curves, left_out):
+        for r, curve, n_left_out in zip(group, curves, left_out):
             mean = sd = n = None
             if base is not None and curve is not base:
                 mean, sd, n = loss_difference(base, curve)
@@ -373,7 +376,7 @@ def fidelity_markdown(rows, curve_from=CURVE_FROM):
             lines.append(f"| {mt} | {r['variant']} | {fmt(n, 'd')} | {fmt(mean, '+.4f')} | "
                          f"{fmt(sd, '.4f')} | {fmt(jump, '+.3f')} ({fmt(at, 'd')}) | "
                          f"{fmt(r.get('fp16_overflows'), 'd')} | "
-                         f"{sum(u >= curve_from for u in skip)} |")
+                         f"{n_left_out} |")
     return "\n".join(lines)
 
 

@@ -627,11 +627,24 @@ def _interval_losses(run, curve_from):
         return {}, 0
     cols = ["num_updates", "loss"] + (["gnorm"] if "gnorm" in inner else [])
     d = inner[cols].dropna(subset=["num_updates", "loss"])
-    d = d[d.num_updates >= curve_from]
     gnorms = d.gnorm if "gnorm" in d else [None] * len(d)
-    kept = {int(u): float(v) for u, v, g in zip(d.num_updates, d.loss, gnorms)
-            if not holds_skipped_update(g)}
-    return kept, len(d) - len(kept)
+    return loss_curve(((int(u), float(v), holds_skipped_update(g))
+                       for u, v, g in zip(d.num_updates, d.loss, gnorms)), curve_from)
+
+
+def loss_curve(points, curve_from):
+    """({num_updates: loss}, left out) from (num_updates, loss, holds a skipped update) points:
+    the points from update ``curve_from`` on, without those holding a skipped update, and how
+    many of those were left out."""
+    kept, left_out = {}, 0
+    for u, loss, skipped in points:
+        if u < curve_from:
+            continue
+        if skipped:
+            left_out += 1
+        else:
+            kept[u] = loss
+    return kept, left_out
 
 
 def holds_skipped_update(gnorm):
