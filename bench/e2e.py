@@ -176,6 +176,34 @@ cli_main()
 """
 
 
+# The fp16 matrix rate of this GPU, now: H100s lent for different calls differ (session 19: the
+# same ls_ run at 131072 tokens gave 377k and 307k wps on two machines), so every call records
+# it next to its figures. In a subprocess: the benchmark's own process must not hold a CUDA
+# context while fairseq-train measures the largest batch that fits.
+GEMM_PROBE = r"""
+import torch
+n, iters = 8192, 200
+a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+for _ in range(100):  # clocks up, cuBLAS heuristics chosen
+    a @ b
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(iters):
+    a @ b
+end.record()
+torch.cuda.synchronize()
+print("BENCH_GEMM_TFLOPS", 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3) / 1e12)
+"""
+
+
+def gemm_tflops():
+    """Measured fp16 TFLOP/s of an 8192^3 matmul on this GPU, or None (no GPU, error)."""
+    proc = subprocess.run([sys.executable, "-c", GEMM_PROBE], capture_output=True, text=True)
+    found = re.findall(r"BENCH_GEMM_TFLOPS ([0-9.]+)", proc.stdout)
+    return float(found[-1]) if found else None
+
+
 def train_cmd(data, variant, max_tokens, epochs, seed, extra):
     v = VARIANTS[variant]
     cmd = [
@@ -444,6 +472,8 @@ def main():
     data = preprocess(args.workdir, args.workers)
     print(f"corpus ready in {time.time() - t0:.0f}s (mean source length {mean_len})", flush=True)
 
+    gemm = [gemm_tflops()]
+    print(f"fp16 GEMM rate: {fmt(gemm[0], '.0f')} TFLOP/s", flush=True)
     rows = []
     for mt in args.max_tokens:
         for variant in args.variants.split(","):
@@ -464,6 +494,7 @@ def main():
             p["profile_at"] = at
             profiles.append(p)
             print(json.dumps(p), flush=True)
+    gemm.append(gemm_tflops())
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -474,7 +505,10 @@ def main():
         "device the tree's git state may be stale)")
     table = markdown(rows) + "\n\n" + fidelity_markdown(rows)
     header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
-              f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n")
+              f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n\n"
+              f"fp16 GEMM rate of this GPU in this call (8192³ matmul, before / after the runs): "
+              f"{fmt(gemm[0], '.0f')} / {fmt(gemm[1], '.0f')} TFLOP/s; the MFU column uses "
+              f"--peak-tflops {args.peak_tflops:.0f}\n")
     prof_md = profile_markdown(profiles)
     print("\n" + header + "\n" + table + "\n\n" + prof_md)
     if args.markdown:
@@ -482,8 +516,8 @@ def main():
             f.write(header + "\n" + table + "\n\n" + prof_md + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "commit": commit, "rows": rows, "profiles": profiles}, f,
-                      indent=1)
+            json.dump({"device": device, "commit": commit, "gemm_tflops": gemm, "rows": rows,
+                       "profiles": profiles}, f, indent=1)
 
 
 if __name__ == "__main__":

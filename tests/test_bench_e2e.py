@@ -62,3 +62,23 @@ def test_a_run_with_batches_skipped_for_memory_does_not_count():
     assert e2e.run_failure(1, "RuntimeError: CUDA out of memory. Tried to allocate") == "OOM"
     assert e2e.run_failure(1, "x" * 2000 + "Traceback") == ("x" * 2000 + "Traceback")[-1500:]
     assert e2e.run_failure(0, "| train | {\"loss\": \"10.4\"}") is None
+
+
+def test_gemm_rate_is_read_from_the_probe_and_missing_without_it(monkeypatch):
+    """The GEMM probe runs in a subprocess (no CUDA context in the benchmark's own process); its
+    figure is parsed from its output, and a probe that printed none (no GPU) gives None."""
+    class Done:
+        def __init__(self, stdout):
+            self.stdout = stdout
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return Done(outputs.pop(0))
+
+    outputs = ["warming up\nBENCH_GEMM_TFLOPS 712.25\n", "Traceback: no CUDA\n"]
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    assert e2e.gemm_tflops() == 712.25
+    assert e2e.gemm_tflops() is None
+    assert all(cmd[1] == "-c" and "BENCH_GEMM_TFLOPS" in cmd[2] for cmd in seen)
