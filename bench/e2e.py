@@ -166,6 +166,19 @@ def _reset_and_sample(*a, **k):
     return _reset(*a, **k)
 torch.cuda.reset_peak_memory_stats = _reset_and_sample
 atexit.register(lambda: print("BENCH_HELD_BYTES", _held[1], _held[2], flush=True))
+# fairseq reads an interval's wps before its gnorm. Without a per-update host sync
+# (--ls-deferred-overflow-check) the GPU work still queued then (the last update's backward and
+# optimizer step) is waited for while the gnorm is read, after the wps: that wait is in no
+# interval's time. The time of each reset of the interval meters (after the whole log, waits
+# included) splits the run without gaps.
+import time
+from fairseq.logging import metrics as _metrics
+_reset_meters = _metrics.reset_meters
+def _stamped_reset(name):
+    if name == "train_inner":
+        print("BENCH_INTERVAL_END", repr(time.perf_counter()), flush=True)
+    return _reset_meters(name)
+_metrics.reset_meters = _stamped_reset
 if os.environ.get("BENCH_PROFILE_AT"):
     sys.path.insert(0, os.environ["BENCH_HERE"])
     import profile_summary
@@ -257,13 +270,40 @@ def mfu(wps, peak_tflops):
     return wps * FLOP_PER_TOKEN / (peak_tflops * 1e12)
 
 
-def interval_wps(inner, epoch):
+INTERVAL_END = re.compile(r"^BENCH_INTERVAL_END ([0-9.e+-]+)\s*$", re.M)
+
+
+def interval_ends(log):
+    """The host clock (s) at the end of each logged interval, in order: WRAPPER stamps each reset
+    of fairseq's interval meters, which follows the interval's whole log (so its waits too)."""
+    return [float(t) for t in INTERVAL_END.findall(log)]
+
+
+def interval_wps(inner, epoch, ends=None):
     """Tokens/s over the logged intervals of one epoch, leaving out its first interval (it spans
     the end-of-epoch work: iterator and data-loader restart, a few seconds). On this small corpus
     an epoch at 32768 tokens is ~55 updates and that restart is ~20% of the epoch's time; on
-    WMT14 an epoch is thousands of updates."""
-    rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
-    return time_weighted_wps(rows) if rows else None
+    WMT14 an epoch is thousands of updates.
+
+    With ``ends`` (one per logged interval, ``interval_ends``), each interval is timed from the
+    previous interval's end to its own, and holds wpb x its updates tokens: the intervals then
+    cover the run's time without gaps. Without them (or when they do not pair up with the
+    intervals, e.g. workers of a multi-GPU run log intervals the main process does not stamp),
+    fairseq's own interval figures, which leave out the wait for the GPU work still queued at each
+    log: with no per-update host sync (``--ls-deferred-overflow-check``) that is the last update's
+    backward and optimizer step, so they read high (session 19: by ~10% at --log-interval 5, ~30%
+    at 2, at 131072 tokens; not significant for runs that sync every update)."""
+    if ends is None or len(ends) != len(inner):
+        rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
+        return time_weighted_wps(rows) if rows else None
+    tokens = seconds = 0.0
+    for k, s in enumerate(inner):
+        if k == 0 or int(s.get("epoch", 0)) != epoch or int(inner[k - 1].get("epoch", 0)) != epoch:
+            continue  # the epoch's first interval (or the run's)
+        updates = int(s["num_updates"]) - int(inner[k - 1]["num_updates"])
+        tokens += float(s["wpb"]) * updates
+        seconds += ends[k] - ends[k - 1]
+    return tokens / seconds if seconds > 0 else None
 
 
 def run_failure(returncode, log):
@@ -315,7 +355,10 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
             row[f"ups_{key}"] = float(epochs[e]["ups"])
             row[f"updates_{key}"] = int(epochs[e]["num_updates"]) - (int(epochs[e - 1]["num_updates"]) if e > 1 else 0)
     if epochs:
-        row["wps_steady_intervals"] = interval_wps(inner, max(epochs))
+        ends = interval_ends(log)
+        row["wps_steady_intervals"] = interval_wps(inner, max(epochs), ends)
+        row["intervals_timed"] = len(ends) == len(inner)  # else fairseq's own interval figures
+        row["wps_steady_intervals_fairseq"] = interval_wps(inner, max(epochs))
         row["mfu_steady_intervals"] = mfu(row["wps_steady_intervals"] or 0, args.peak_tflops)
     row["mfu_steady"] = mfu(row.get("wps_steady", 0), args.peak_tflops)
     row["loss_first"] = float(inner[0]["loss"]) if inner else None
@@ -334,14 +377,17 @@ def fmt(x, spec):
 
 
 def markdown(rows):
-    """Steady state is quoted two ways: fairseq's figure for the whole last epoch, and the
-    logged intervals of that epoch without the one spanning the epoch boundary (interval_wps);
-    the MFU and the steady ratio use the second."""
+    """Steady state is quoted three ways: fairseq's figure for the whole last epoch, the logged
+    intervals of that epoch without the one spanning the epoch boundary, timed end to end
+    (interval_wps with the stamps; the MFU and the steady ratio use it; marked * where the run
+    has no stamps and fairseq's interval figures stand in), and fairseq's own figure for the same
+    intervals (which reads high without a per-update host sync)."""
     lines = ["| max-tokens | variant | wps unseen (epoch 1) | wps steady (last epoch) | "
-             "wps steady (intervals) | wps per epoch | upd/s steady | peak mem GB | "
-             "reserved / device GB | MFU steady (intervals) | ls_/best-baseline unseen | "
-             "ls_/best-baseline steady (intervals) | mem ls_/baseline | device ls_/baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "wps steady (intervals) | fairseq's interval wps | wps per epoch | upd/s steady | "
+             "peak mem GB | reserved / device GB | MFU steady (intervals) | "
+             "ls_/best-baseline unseen | ls_/best-baseline steady (intervals) | "
+             "mem ls_/baseline | device ls_/baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_mt = {}
     for r in rows:
         by_mt.setdefault(r["max_tokens"], {})[r["variant"]] = r
@@ -353,7 +399,7 @@ def markdown(rows):
         base_dev = next((b.get("device_gb") for b in bases), None)
         for name, r in group.items():
             if "error" in r:
-                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | | | | |")
+                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | | | | | |")
                 continue
             ratio_u = ratio_s = mem = dev = None
             if name.startswith("ls") and best_u:
@@ -363,7 +409,9 @@ def markdown(rows):
                 dev = r["device_gb"] / base_dev if base_dev and r.get("device_gb") else None
             lines.append(
                 f"| {mt} | {name} | {fmt(r.get('wps_unseen'), ',.0f')} | {fmt(r.get('wps_steady'), ',.0f')} | "
-                f"{fmt(r.get('wps_steady_intervals'), ',.0f')} | "
+                f"{fmt(r.get('wps_steady_intervals'), ',.0f')}"
+                f"{'' if r.get('intervals_timed', True) else '*'} | "
+                f"{fmt(r.get('wps_steady_intervals_fairseq'), ',.0f')} | "
                 f"{' / '.join(format(w, ',.0f') for w in r.get('wps_by_epoch', []))} | "
                 f"{fmt(r.get('ups_steady'), '.2f')} | {fmt(r.get('peak_gb'), '.1f')} | "
                 f"{fmt(r.get('reserved_gb'), '.1f')} / {fmt(r.get('device_gb'), '.1f')} | "

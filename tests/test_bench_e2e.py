@@ -82,3 +82,30 @@ def test_gemm_rate_is_read_from_the_probe_and_missing_without_it(monkeypatch):
     assert e2e.gemm_tflops() == 712.25
     assert e2e.gemm_tflops() is None
     assert all(cmd[1] == "-c" and "BENCH_GEMM_TFLOPS" in cmd[2] for cmd in seen)
+
+
+def test_steady_intervals_are_timed_from_stamp_to_stamp():
+    """Two epochs of three logged intervals; fairseq's own interval figures (wps) leave out a
+    wait at each log, the stamps (one per interval, at its end) do not: the steady figure is the
+    epoch's tokens after its first interval over the time between their stamps."""
+    inner = []
+    for k, (epoch, updates, wpb, wps) in enumerate([
+            (1, 10, 100.0, 1000.0), (1, 20, 100.0, 1000.0), (1, 25, 120.0, 1000.0),
+            (2, 35, 100.0, 900.0), (2, 45, 100.0, 2000.0), (2, 50, 80.0, 2000.0)]):
+        inner.append({"epoch": str(epoch), "num_updates": str(updates), "wpb": str(wpb),
+                      "wps": str(wps)})
+    ends = [1.0, 2.0, 2.5, 9.0, 10.25, 11.0]
+    # epoch 2 without its first interval: 10 updates x 100 + 5 x 80 tokens in 1.25 + 0.75 s
+    assert e2e.interval_wps(inner, 2, ends) == (1000 + 400) / 2.0
+    # epoch 1: 10 x 100 + 5 x 120 tokens in 1.0 + 0.5 s
+    assert e2e.interval_wps(inner, 1, ends) == (1000 + 600) / 1.5
+    # no stamps, or not one per interval: fairseq's figures, time-weighted
+    fairseq_2 = (100 + 80) / (100 / 2000 + 80 / 2000)
+    assert e2e.interval_wps(inner, 2) == fairseq_2
+    assert e2e.interval_wps(inner, 2, ends[:-1]) == fairseq_2
+
+
+def test_interval_stamps_are_read_in_order_from_the_log():
+    log = ("BENCH_TOTAL_BYTES 1\n2026 | INFO | train_inner | {\"epoch\": 1}\n"
+           "BENCH_INTERVAL_END 12.5\nnoise BENCH_INTERVAL_END 99\nBENCH_INTERVAL_END 1.25e+03\n")
+    assert e2e.interval_ends(log) == [12.5, 1250.0]
