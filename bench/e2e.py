@@ -151,7 +151,8 @@ if os.environ.get("BENCH_CUDNN_SDPA") == "0":
     torch.backends.cuda.enable_cudnn_sdp(False)
 # fairseq resets the peak counter at every log interval and logs gb_free = total - peak since
 # the last reset; the peak of the run is total - min(gb_free)
-print("BENCH_TOTAL_BYTES", torch.cuda.get_device_properties(0).total_memory, flush=True)
+if torch.cuda.is_available():  # (tests run the wrapper on CPU)
+    print("BENCH_TOTAL_BYTES", torch.cuda.get_device_properties(0).total_memory, flush=True)
 # fairseq's figure is allocated memory. What the process holds is more: the allocator's cache,
 # the CUDA graphs' private pool (--ls-cuda-graphs), the graphs themselves, the CUDA context.
 # Sampled where fairseq resets its peak counter (every update), every 10th call.
@@ -164,7 +165,8 @@ def _reset_and_sample(*a, **k):
         _held[1] = max(_held[1], torch.cuda.memory_reserved())
         _held[2] = max(_held[2], total - free)
     return _reset(*a, **k)
-torch.cuda.reset_peak_memory_stats = _reset_and_sample
+if torch.cuda.is_available():
+    torch.cuda.reset_peak_memory_stats = _reset_and_sample
 atexit.register(lambda: print("BENCH_HELD_BYTES", _held[1], _held[2], flush=True))
 # fairseq reads an interval's wps before its gnorm. Without a per-update host sync
 # (--ls-deferred-overflow-check) the GPU work still queued then (the last update's backward and
@@ -189,10 +191,11 @@ cli_main()
 """
 
 
-# The fp16 matrix rate of this GPU, now: H100s lent for different calls differ (session 19: the
-# same ls_ run at 131072 tokens gave 377k and 307k wps on two machines), so every call records
-# it next to its figures. In a subprocess: the benchmark's own process must not hold a CUDA
-# context while fairseq-train measures the largest batch that fits.
+# The fp16 matrix rate of this GPU, now, next to the call's figures: the baselines measured
+# 72-101k wps at 8192 tokens in different calls, so the machine is one suspect when figures of
+# two calls disagree (session 19's three machines: 669-684 TFLOP/s). In a subprocess: the
+# benchmark's own process must not hold a CUDA context while fairseq-train measures the largest
+# batch that fits.
 GEMM_PROBE = r"""
 import torch
 n, iters = 8192, 200
@@ -291,8 +294,9 @@ def interval_wps(inner, epoch, ends=None):
     intervals, e.g. workers of a multi-GPU run log intervals the main process does not stamp),
     fairseq's own interval figures, which leave out the wait for the GPU work still queued at each
     log: with no per-update host sync (``--ls-deferred-overflow-check``) that is the last update's
-    backward and optimizer step, so they read high (session 19: by ~10% at --log-interval 5, ~30%
-    at 2, at 131072 tokens; not significant for runs that sync every update)."""
+    backward and optimizer step, about 0.7 of an update per log, so they read high (session 19,
+    ls_ with the deferred check: +7% at 8192 tokens and --log-interval 10, +16% and +37% at 131072
+    tokens and --log-interval 5 and 2; fairseq's baseline, which syncs every update: within 2%)."""
     if ends is None or len(ends) != len(inner):
         rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
         return time_weighted_wps(rows) if rows else None
