@@ -359,17 +359,24 @@ def test_fairseq_train_json_interrupted_and_resumed(data_bin, tmp_path, capsys):
 # the loss curve against the first run
 # --------------------------------------------------------------------------------------------
 
-def _write_inner_log(path, losses, gnorms=None):
+def _write_inner_log(path, losses, gnorms=None, stats_at=None, seconds=None):
     """A json-format fairseq-train log of training intervals only: {num_updates: loss} (and
-    {num_updates: gnorm as fairseq writes it} where given)."""
+    {num_updates: gnorm as fairseq writes it} where given; {num_updates: {stat: value}} for more
+    stats or others, e.g. epoch, wps, wpb; {num_updates: seconds after 10:00:00} for the
+    timestamps, else one second per line)."""
+    import datetime
+
+    t0 = datetime.datetime(2026, 11, 25, 10, 0, 0)
     with open(path, "w") as f:
         for i, (u, loss) in enumerate(sorted(losses.items())):
             stats = {"epoch": 1, "update": round(u / 1000, 3), "loss": "{:.3f}".format(loss),
                      "num_updates": str(u), "wps": "1000", "ups": "1.0"}
             if gnorms is not None:
                 stats["gnorm"] = gnorms.get(u, "0.8")
-            f.write("2026-11-25 10:{:02d}:{:02d} | INFO | train_inner | {}\n".format(
-                i // 60, i % 60, json.dumps(stats)))
+            stats.update((stats_at or {}).get(u, {}))
+            ts = t0 + datetime.timedelta(seconds=(seconds or {}).get(u, i))
+            f.write("{} | INFO | train_inner | {}\n".format(ts.strftime("%Y-%m-%d %H:%M:%S"),
+                                                            json.dumps(stats)))
 
 
 def test_loss_curve_rows(tmp_path, capsys):
@@ -438,3 +445,77 @@ def test_curve_from_must_not_be_negative(capsys):
     with pytest.raises(SystemExit):
         compare.main([sample("baseline_simple"), "--curve-from", "-1"])
     assert "--curve-from must be >= 0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# throughput from the log timestamps
+# --------------------------------------------------------------------------------------------
+
+# Two epochs of intervals logged every 10 updates: (num_updates, epoch, wpb, seconds of its log
+# line). Each epoch's first interval (warm-up, or validation before it) has an absurd wpb and a
+# long time: it must only be the starting point. An fp16 overflow in epoch 1 leaves 8 updates in
+# its last interval (fairseq does not count a skipped update). Tokens: epoch 1
+# 10 * (3000 + 5000 + 3000) + 8 * 5000 = 150000 in 70 - 30 = 40 s; epoch 2
+# 10 * (3 * 4000 + 6000) = 180000 in 140 - 100 = 40 s: 330000 / 80 s = 4125 tokens/s exactly.
+TIMED = [(10, 1, 99999, 30), (20, 1, 3000, 40), (30, 1, 5000, 50), (40, 1, 3000, 60), (48, 1, 5000, 70),
+         (58, 2, 99999, 100), (68, 2, 4000, 110), (78, 2, 4000, 120), (88, 2, 4000, 130), (98, 2, 6000, 140)]
+
+
+def _write_timed_log(path, intervals, wps, time_scale=1):
+    """``intervals`` as in TIMED, the stamps' seconds times ``time_scale``; every interval logs
+    ``wps`` as its own figure."""
+    _write_inner_log(path, {u: 5.0 for u, _, _, _ in intervals},
+                     stats_at={u: {"epoch": ep, "wpb": str(wpb), "wps": str(wps)} for u, ep, wpb, _ in intervals},
+                     seconds={u: t * time_scale for u, _, _, t in intervals})
+
+
+def test_wall_clock_wps_from_timestamps(tmp_path):
+    """fairseq's interval wps reads high (here 5000) in a run without a per-update host sync; the
+    wall-clock figure is the intervals' tokens over the time between their log lines."""
+    _write_timed_log(tmp_path / "a.log", TIMED, wps=5000)
+    run = compare.load_run(str(tmp_path / "a.log"), "a")
+    assert run.metrics["wps"] == pytest.approx(5000)  # the existing row: fairseq's figure, unchanged
+    assert run.metrics["wps_wall"] == 4125.0
+    assert not any(m.startswith("wps_wall") for m in run.missing)
+    # the first interval of each epoch is only the starting point: its tokens change nothing (nor
+    # does its time, from 10:00:00 or across the gap after epoch 1: 4125 holds neither)
+    other = [(u, ep, 1 if wpb == 99999 else wpb, t) for u, ep, wpb, t in TIMED]
+    _write_timed_log(tmp_path / "b.log", other, wps=5000)
+    assert compare.load_run(str(tmp_path / "b.log"), "b").metrics["wps_wall"] == 4125.0
+
+
+def test_wall_clock_wps_needs_a_minute_of_timestamps(tmp_path):
+    """1-s timestamps: under 60 s of timed intervals there is no figure, and missing says why."""
+    # epoch 1 spans 30 -> 60 s and epoch 2 100 -> 125 s: 55 s in all
+    short = [(10, 1, 3000, 30), (20, 1, 3000, 40), (30, 1, 3000, 60),
+             (40, 2, 3000, 100), (50, 2, 3000, 110), (60, 2, 3000, 125)]
+    _write_timed_log(tmp_path / "short.log", short, wps=5000)
+    run = compare.load_run(str(tmp_path / "short.log"), "short")
+    assert run.metrics["wps_wall"] is None and run.metrics["wps"] == pytest.approx(5000)
+    assert "wps_wall: the 4 timed training intervals span 55 s of log timestamps, under the 60 s that " \
+           "their 1-s resolution needs" in run.missing
+    # 5 s more, 60 s in all: enough; 4 * 10 * 3000 tokens
+    _write_timed_log(tmp_path / "minute.log", short[:-1] + [(60, 2, 3000, 130)], wps=5000)
+    assert compare.load_run(str(tmp_path / "minute.log"), "minute").metrics["wps_wall"] == 2000.0
+    # --log-file logs have no timestamps
+    lf = compare.load_run(sample("logfile_simple"), "logfile")
+    assert lf.metrics["wps_wall"] is None
+    assert "wps_wall: no log timestamps (a --log-file log has none)" in lf.missing
+
+
+def test_wall_clock_wps_row(tmp_path):
+    """The baseline syncs every update (its wps is right: 1375, TIMED stretched 3 times); the ls_
+    run's interval wps reads 5000 where the stamps give 4125: the wall-clock row, right after the
+    wps row, says 3x, not the 3.6x of the wps row."""
+    _write_timed_log(tmp_path / "base.log", TIMED, wps=1375, time_scale=3)
+    _write_timed_log(tmp_path / "ls.log", TIMED, wps=5000)
+    runs, report, _ = compare.compare([str(tmp_path / "base.log"), str(tmp_path / "ls.log")], plots=False)
+    lines = report.splitlines()
+    wps = lines.index("| wps (target tokens/s) | 1,375 | 5,000 | 3.636x |")
+    assert lines[wps + 1] == "| wps, wall clock (target tokens/s) | 1,375 | 4,125 | 3.000x |"
+    assert "compare the wall-clock row when a run uses --ls-deferred-overflow-check" in report
+    # the samples: steady intervals of 100 updates at wpb 26260, 25740, 26260 per epoch, 25 s
+    # (baseline) and 10 s (ls_) apart
+    _, report, _ = compare.compare([sample("baseline_simple"), sample("ls_json")], ["base", "ls"], plots=False)
+    assert "| wps, wall clock (target tokens/s) | {:,.0f} | {:,.0f} | 2.500x |".format(
+        100 * (2 * WPB_HI + WPB_LO) / 75, 100 * (2 * WPB_HI + WPB_LO) / 30) in report

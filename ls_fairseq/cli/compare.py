@@ -17,6 +17,9 @@ log file. What is read:
 
 It prints a markdown table (one column per run, ratios against the first run) and the list of
 what it could not find, and writes PNG plots: loss vs updates, loss vs wall-clock, wps over time.
+Throughput is given twice: fairseq's own interval wps, and the same intervals timed by the log
+timestamps, the one to compare for ``--ls-deferred-overflow-check`` runs (whose interval wps
+leaves out the wait for the GPU work queued at each log, and so reads high).
 The loss-curve rows say whether a run's training loss follows the first run's: the mean and
 standard deviation of the differences of their interval losses logged at the same updates, and
 each run's largest loss spike over its neighbouring intervals (``--curve-from`` skips the
@@ -480,6 +483,46 @@ def _mean(series):
     return float(series.mean()) if len(series) else None
 
 
+WALL_MIN_S = 60.0  # log timestamps have a 1-s resolution: at 60 s, one second is under 2%
+
+
+def wall_clock_wps(inner):
+    """(target tokens/s, None) of the training intervals timed by their log timestamps, or
+    (None, why there is none).
+
+    In each (session, epoch), the intervals sorted by num_updates, r0..rn: the tokens of r1..rn
+    (wpb x updates of each) over ts(rn) - ts(r0). r0 is only the starting point, as the first
+    interval is left out of wps (validation, checkpointing, warm-up). fairseq's own interval wps
+    reads the interval's time before the gnorm, whose read waits for the GPU work still queued;
+    that wait lies in no interval's time. Without a per-update host sync
+    (``--ls-deferred-overflow-check``) it is about 0.7 of an update per log, so the interval wps
+    reads high by ~0.7 / --log-interval; the timestamps include the wait."""
+    if inner is None or not len(inner):
+        return None, "no per-interval training records"
+    for key, what in (("ts", "log timestamp"), ("wpb", "wpb")):
+        if key not in inner:
+            return None, ("no log timestamps (a --log-file log has none)" if key == "ts"
+                          else "no wpb on the training intervals")
+        lacking = int(inner[key].isna().sum())
+        if lacking:
+            return None, "{} of {} training intervals have no {}".format(lacking, len(inner), what)
+    tokens = seconds = 0.0
+    timed = 0
+    for _, g in inner.groupby(["session", "epoch"]):
+        g = g.sort_values("num_updates")
+        if len(g) < 2:
+            continue
+        tokens += float((g.wpb.iloc[1:] * g.num_updates.diff().iloc[1:]).sum())
+        seconds += float(g.ts.iloc[-1] - g.ts.iloc[0])
+        timed += len(g) - 1
+    if not timed:
+        return None, "no epoch has two logged training intervals in one session"
+    if seconds < WALL_MIN_S:
+        return None, "the {} timed training intervals span {:.0f} s of log timestamps, under the {:.0f} s " \
+                     "that their 1-s resolution needs".format(timed, seconds, WALL_MIN_S)
+    return tokens / seconds, None
+
+
 def _reduce(run):
     m = run.metrics
     inner, epochs, valid = run.inner, run.epochs, run.valid
@@ -515,12 +558,17 @@ def _reduce(run):
             m[key] = _mean(steady[key]) if key in steady else None
             if m[key] is None:
                 run.missing.append("{}: not in the training log".format(key))
+        m["wps_wall"], why = wall_clock_wps(inner)
+        if why:
+            run.missing.append("wps_wall: " + why)
     else:
         # tqdm logs: only the per-epoch lines carry wps/ups
         for key in ("wps", "ups"):
             m[key] = _mean(epochs[key]) if epochs is not None and key in epochs else None
             if m[key] is None:
                 run.missing.append("{}: no per-interval or per-epoch training records".format(key))
+        m["wps_wall"] = None
+        run.missing.append("wps_wall: no per-interval training records")
 
     # ---- time per epoch
     m["epoch_wall_s"] = None
@@ -716,6 +764,7 @@ ROWS = [
     ("updates", "updates", "{:.0f}", None),
     ("epochs", "epochs", "{:.0f}", None),
     ("wps", "wps (target tokens/s)", "{:,.0f}", "ratio"),
+    ("wps_wall", "wps, wall clock (target tokens/s)", "{:,.0f}", "ratio"),
     ("ups", "ups (updates/s)", "{:.2f}", "ratio"),
     ("epoch_wall_s", "wall-clock per epoch (s)", "{:,.1f}", "ratio"),
     ("epoch_train_wall_s", "train_wall per epoch (s)", "{:,.1f}", "ratio"),
@@ -860,7 +909,11 @@ def compare(paths, labels=None, out_dir="compare_out", plots=True, curve_from=CU
         report.append("- **{}**: {} (arch {}{})".format(r.label, r.path, arch, dev))
     report += ["", markdown_table(runs), ""]
     report.append("wps/ups: mean over the logged intervals, without the first interval of each epoch and "
-                  "session (it includes validation, checkpointing or warm-up). Ratios: each run divided by {}; "
+                  "session (it includes validation, checkpointing or warm-up). wps, wall clock: the same intervals' "
+                  "target tokens over the time between their log timestamps, next to fairseq's own figure because "
+                  "that one leaves out the wait at each log for the GPU work still queued (~0.7 of an update per "
+                  "log in a run without a per-update host sync): compare the wall-clock row when a run uses "
+                  "--ls-deferred-overflow-check. Ratios: each run divided by {}; "
                   "(+x): difference.".format(runs[0].label))
     report.append("Loss-curve rows: the training intervals from update {} on; the differences are taken "
                   "at the updates both runs logged, the jump is an interval's loss minus the median of "
