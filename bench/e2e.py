@@ -34,8 +34,18 @@ The default corpus (40k pairs, 190 batches at 8192 tokens) meets each batch shap
 ``--sentences 400000 --epochs 1`` gives a first epoch closer to a real corpus's (1,666 batches, whose
 shapes and padded shapes repeat within the epoch, ``bench/shape_buckets.py``).
 
-MFU counts 1.27 GFLOP per target token (transformer big, forward + backward) against the
-measured dense fp16 matrix rate of the device (--peak-tflops, 800 on the H100 here).
+``--largest LOW HIGH STEP`` finds, per variant, the largest --max-tokens (a multiple of STEP in
+[LOW, HIGH]) whose run fits: no batch skipped for lack of memory, over the whole --epochs (the
+worst batch of an epoch sets the peak, so short runs do not tell). A bisection, each probe a full
+run; the rows of every probe land in the tables, and a last table names each variant's largest
+size that fits and the smallest that did not.
+
+    python bench/e2e.py --sentences 200000 --epochs 1 --largest 32768 163840 8192 \
+        --variants baseline_nocudnn,ls_deferred
+
+MFU counts 1.27 GFLOP per target token (transformer big, forward + backward) against the dense
+fp16 matrix rate --peak-tflops (800, the issue's figure for the H100); each call also measures the
+GPU's 8192^3 fp16 matmul rate and prints it in the table's header.
 """
 import argparse
 import datetime
@@ -376,6 +386,36 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     return row
 
 
+def largest_that_fits(fits, low, high, step):
+    """(largest, smallest_not_fitting) over the multiples of ``step`` in [low, high], for a
+    ``fits(n)`` that holds up to some size and not above it; either is None when every size
+    tried fits (no smaller failure) or none does. Bisection: at most ~log2((high - low) / step)
+    + 2 probes, each a full training run."""
+    if low % step or high % step or not 0 < low <= high:
+        raise ValueError(f"--largest needs 0 < LOW <= HIGH, both multiples of STEP; got {low} "
+                         f"{high} {step}")
+    if not fits(low):
+        return None, low
+    if fits(high):
+        return high, None
+    good, bad = low, high
+    while bad - good > step:
+        mid = good + (bad - good) // step // 2 * step
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, bad
+
+
+def largest_markdown(found):
+    lines = ["Largest --max-tokens that fits (no batch skipped for lack of memory):", "",
+             "| variant | largest that fits | smallest tried that does not |", "|---|---|---|"]
+    for variant, (good, bad) in found.items():
+        lines.append(f"| {variant} | {fmt(good, 'd')} | {fmt(bad, 'd')} |")
+    return "\n".join(lines)
+
+
 def fmt(x, spec):
     return "–" if x is None else format(x, spec)
 
@@ -498,6 +538,9 @@ def main():
     ap.add_argument("--sentences", type=int, default=40000, help="training pairs (sets the epoch length)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--largest", type=int, nargs=3, metavar=("LOW", "HIGH", "STEP"), default=None,
+                    help="instead of --max-tokens: per variant, the largest multiple of STEP in "
+                         "[LOW, HIGH] that fits (bisection over full runs)")
     ap.add_argument("--variants", default="baseline,baseline_nocudnn,ls")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
@@ -527,11 +570,30 @@ def main():
     gemm = [gemm_tflops()]
     print(f"fp16 GEMM rate: {fmt(gemm[0], '.0f')} TFLOP/s", flush=True)
     rows = []
-    for mt in args.max_tokens:
+
+    def run(variant, mt):
+        r = run_variant(data, variant, mt, args, log_dir)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        return r
+
+    found = {}
+    if args.largest:
+        def fits(variant, mt):
+            r = run(variant, mt)
+            if "error" in r and not r["error"].startswith("OOM"):
+                raise SystemExit(f"{variant} at --max-tokens {mt} failed for another reason than "
+                                 f"memory:\n{r['error']}")
+            return "error" not in r
+
         for variant in args.variants.split(","):
-            r = run_variant(data, variant, mt, args, log_dir)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            found[variant] = largest_that_fits(lambda mt: fits(variant, mt), *args.largest)
+            print(f"{variant}: largest that fits {found[variant][0]}, smallest that does not "
+                  f"{found[variant][1]}", flush=True)
+    else:
+        for mt in args.max_tokens:
+            for variant in args.variants.split(","):
+                run(variant, mt)
     profiles = []
     if args.profile:
         for variant in args.profile_variants.split(","):
@@ -556,6 +618,8 @@ def main():
         text=True).stdout.strip() or "unknown") + " (from git, not LS_BENCH_COMMIT: on the "
         "device the tree's git state may be stale)")
     table = markdown(rows) + "\n\n" + fidelity_markdown(rows)
+    if found:
+        table += "\n\n" + largest_markdown(found)
     header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
               f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n\n"
               f"fp16 GEMM rate of this GPU in this call (8192³ matmul, before / after the runs): "
@@ -569,7 +633,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "commit": commit, "gemm_tflops": gemm, "rows": rows,
-                       "profiles": profiles}, f, indent=1)
+                       "largest": found, "profiles": profiles}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
-"""bench/e2e.py's loss-curve table (``fidelity_markdown``): each run against the first baseline of
-its --max-tokens, with the same statistics as ``ls-fairseq-compare`` (tests/test_compare.py has
-their definitions on closed-form curves; here, that e2e applies them per batch size and to the
-right reference, also after a JSON round trip, whose keys are strings)."""
+"""bench/e2e.py's host-side logic (no GPU): the loss-curve table (``fidelity_markdown``: each run
+against the first baseline of its --max-tokens, with ``ls-fairseq-compare``'s statistics, whose
+definitions tests/test_compare.py checks on closed-form curves; here, that e2e applies them per
+batch size and to the right reference, also after a JSON round trip, whose keys are strings), what
+counts as a run that does not fit, the GEMM probe's parsing, the steady-state intervals timed by
+the wrapper's stamps (also in a tiny real fairseq-train on CPU), and the largest-batch bisection."""
 import json
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "bench"))
@@ -134,3 +138,69 @@ def test_the_wrapper_stamps_every_logged_interval_of_a_real_fairseq_train(tmp_pa
     assert len(ends) == len(inner)
     assert ends == sorted(ends)
     assert e2e.interval_wps(inner, 2, ends) > 0
+
+
+def test_largest_that_fits_bisects_over_full_runs():
+    """Against a hidden limit: the bisection returns the largest multiple of the step that fits
+    and the smallest that does not, probing each size at most once and only O(log) of them."""
+    for limit in (32768, 40960, 57344, 65536, 163840, 10, 10**9):
+        probed = []
+
+        def fits(n):
+            assert n not in probed
+            probed.append(n)
+            return n <= limit
+
+        good, bad = e2e.largest_that_fits(fits, 32768, 163840, 8192)
+        if limit < 32768:
+            assert (good, bad) == (None, 32768)
+        elif limit >= 163840:
+            assert (good, bad) == (163840, None)
+        else:
+            assert good == limit // 8192 * 8192 and bad == good + 8192
+        assert len(probed) <= 2 + 4  # 16 steps between LOW and HIGH: 4 halvings
+    with pytest.raises(ValueError):
+        e2e.largest_that_fits(lambda n: True, 32768, 163840, 10000)
+
+
+def test_largest_table():
+    text = e2e.largest_markdown({"baseline_nocudnn": (57344, 65536), "ls_deferred": (131072, None)})
+    assert "| baseline_nocudnn | 57344 | 65536 |" in text
+    assert "| ls_deferred | 131072 | – |" in text
+
+
+def test_largest_mode_runs_the_bisection_per_variant_and_stops_on_other_failures(
+        tmp_path, monkeypatch):
+    """main() with --largest: each variant bisected on its own limit, every probe a row of the
+    tables, the summary table and JSON name the sizes; a failure that is not memory stops it."""
+    limits = {"baseline_nocudnn": 57344, "ls_deferred": 131072}
+    monkeypatch.setattr(e2e, "make_corpus", lambda *a, **k: 28.0)
+    monkeypatch.setattr(e2e, "preprocess", lambda *a, **k: str(tmp_path))
+    monkeypatch.setattr(e2e, "gemm_tflops", lambda: None)
+
+    def fake_run(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
+        if max_tokens > limits[variant]:
+            return {"variant": variant, "max_tokens": max_tokens, "error": "OOM (3 batches skipped)"}
+        return {"variant": variant, "max_tokens": max_tokens, "wps_unseen": 1.0}
+
+    monkeypatch.setattr(e2e, "run_variant", fake_run)
+    out_md, out_json = tmp_path / "e2e.md", tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--workdir", str(tmp_path), "--log-dir",
+                                      str(tmp_path / "logs"), "--largest", "32768", "163840",
+                                      "8192", "--variants", "baseline_nocudnn,ls_deferred",
+                                      "--markdown", str(out_md), "--json", str(out_json)])
+    e2e.main()
+    text = out_md.read_text()
+    assert "| baseline_nocudnn | 57344 | 65536 |" in text
+    assert "| ls_deferred | 131072 | 139264 |" in text
+    saved = json.loads(out_json.read_text())
+    assert saved["largest"] == {"baseline_nocudnn": [57344, 65536], "ls_deferred": [131072, 139264]}
+    tried = [(r["variant"], r["max_tokens"]) for r in saved["rows"]]
+    assert ("ls_deferred", 163840) in tried and ("baseline_nocudnn", 65536) in tried
+
+    limits["ls_deferred"] = None  # any size: a crash, not memory
+    monkeypatch.setattr(e2e, "run_variant", lambda data, variant, mt, *a, **k: (
+        {"variant": variant, "max_tokens": mt, "error": "Traceback: KeyError"}
+        if variant == "ls_deferred" else {"variant": variant, "max_tokens": mt}))
+    with pytest.raises(SystemExit, match="another reason than memory"):
+        e2e.main()
