@@ -388,9 +388,9 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
 
 def largest_that_fits(fits, low, high, step):
     """(largest, smallest_not_fitting) over the multiples of ``step`` in [low, high], for a
-    ``fits(n)`` that holds up to some size and not above it; either is None when every size
-    tried fits (no smaller failure) or none does. Bisection: at most ~log2((high - low) / step)
-    + 2 probes, each a full training run."""
+    ``fits(n)`` that holds up to some size and not above it: (None, low) when ``low`` does not
+    fit, (high, None) when ``high`` does. Bisection: at most ~log2((high - low) / step) + 2
+    probes, each a full training run."""
     if low % step or high % step or not 0 < low <= high:
         raise ValueError(f"--largest needs 0 < LOW <= HIGH, both multiples of STEP; got {low} "
                          f"{high} {step}")
