@@ -65,7 +65,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from ls_fairseq.cli.compare import (  # noqa: E402
-    CURVE_FROM, holds_skipped_update, largest_jump, loss_curve, loss_difference)
+    CURVE_FROM, holds_skipped_update, largest_jump, loss_curve, loss_difference, timed_tokens)
 
 VARIANTS = {
     "baseline": dict(arch="transformer_wmt_en_de_big_t2t", criterion="label_smoothed_cross_entropy",
@@ -310,13 +310,9 @@ def interval_wps(inner, epoch, ends=None):
     if ends is None or len(ends) != len(inner):
         rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
         return time_weighted_wps(rows) if rows else None
-    tokens = seconds = 0.0
-    for k, s in enumerate(inner):
-        if k == 0 or int(s.get("epoch", 0)) != epoch or int(inner[k - 1].get("epoch", 0)) != epoch:
-            continue  # the epoch's first interval (or the run's)
-        updates = int(s["num_updates"]) - int(inner[k - 1]["num_updates"])
-        tokens += float(s["wpb"]) * updates
-        seconds += ends[k] - ends[k - 1]
+    tokens, seconds = timed_tokens([[(int(s["num_updates"]), float(s["wpb"]), end)
+                                     for s, end in zip(inner, ends)
+                                     if int(s.get("epoch", 0)) == epoch]])
     return tokens / seconds if seconds > 0 else None
 
 

@@ -483,6 +483,20 @@ def _mean(series):
     return float(series.mean()) if len(series) else None
 
 
+def timed_tokens(groups):
+    """(tokens, seconds) of logged training intervals timed by the time each one's log ended:
+    ``groups`` (one per epoch of a session) of (num_updates, wpb, end time) in update order. An
+    interval holds wpb x the updates since the previous one and lasts from that one's end to its
+    own, so a group's first interval is only the starting point (it spans the epoch boundary or
+    the warm-up). Shared by this tool (log timestamps) and bench/e2e.py (its wrapper's stamps)."""
+    tokens = seconds = 0.0
+    for g in groups:
+        for (u0, _, t0), (u1, wpb, t1) in zip(g, g[1:]):
+            tokens += float(wpb) * (float(u1) - float(u0))
+            seconds += float(t1) - float(t0)
+    return tokens, seconds
+
+
 WALL_MIN_S = 60.0  # log timestamps have a 1-s resolution: at 60 s, one second is under 2%
 
 
@@ -506,15 +520,11 @@ def wall_clock_wps(inner):
         lacking = int(inner[key].isna().sum())
         if lacking:
             return None, "{} of {} training intervals have no {}".format(lacking, len(inner), what)
-    tokens = seconds = 0.0
-    timed = 0
-    for _, g in inner.groupby(["session", "epoch"]):
-        g = g.sort_values("num_updates")
-        if len(g) < 2:
-            continue
-        tokens += float((g.wpb.iloc[1:] * g.num_updates.diff().iloc[1:]).sum())
-        seconds += float(g.ts.iloc[-1] - g.ts.iloc[0])
-        timed += len(g) - 1
+    groups = [list(zip(g.num_updates, g.wpb, g.ts))
+              for _, g in inner.groupby(["session", "epoch"])
+              for g in [g.sort_values("num_updates")]]
+    tokens, seconds = timed_tokens(groups)
+    timed = sum(max(len(g) - 1, 0) for g in groups)
     if not timed:
         return None, "no epoch has two logged training intervals in one session"
     if seconds < WALL_MIN_S:

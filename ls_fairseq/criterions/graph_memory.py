@@ -66,11 +66,11 @@ def expected_need(unit, shapes) -> Optional[int]:
     (memory grows with the tokens of each side), plus ``HEADROOM``. None: no estimate."""
     if unit is None:
         return None
-    unit_bytes, unit_slots = unit
-    slots = token_counts(shapes)
-    if not slots or len(slots) != len(unit_slots):
+    unit_bytes, unit_counts = unit
+    counts = token_counts(shapes)
+    if not counts or len(counts) != len(unit_counts):
         return None
-    scale = max(n / u for n, u in zip(slots, unit_slots))
+    scale = max(n / u for n, u in zip(counts, unit_counts))
     return int(unit_bytes * scale * HEADROOM)
 
 
@@ -126,9 +126,9 @@ class GraphMemory:
         before = torch.cuda.memory_reserved(self.device)
         yield
         footprint = torch.cuda.memory_reserved(self.device) - before
-        slots = token_counts(shapes)
-        if footprint > 0 and slots and min(slots) > 0:
-            self._unit = (footprint, slots)
+        counts = token_counts(shapes)
+        if footprint > 0 and counts and min(counts) > 0:
+            self._unit = (footprint, counts)
         if self.compact:
             self.release()
 
