@@ -1,13 +1,15 @@
 """CUDA attention for ``ls_fairseq.ops.attention``: three backends behind ``attention_cuda``.
 
-* ``short`` (opt-in, ``LS_FAIRSEQ_ATTENTION=short``): our single-tile kernel
-  (``csrc/short_attention.cu``) for rows of at most 128 queries and keys, head size a multiple of
-  16 up to 128, fp16/bf16, sm_80+: one thread block per (batch, head) keeps q/k/v and the scores
-  in shared memory and runs scores, softmax, dropout and both GEMMs (five in backward) on tensor
-  cores in one launch. Not chosen by ``auto`` yet: per shape it is faster than ``efficient`` at 32
-  and 80 keys but slower at 64 and 128 (docs/PERFORMANCE.md, session 11), end to end it did not
-  beat ``efficient``, and one whole-model fp16 gradient check (tests/gpu/test_model_cuda.py,
-  pre-LN, head size 16) is off by more than the tolerance with it, unexplained so far.
+* ``short`` (opt-in, ``LS_FAIRSEQ_ATTENTION=short``): our kernel (``csrc/short_attention.cu``)
+  for rows of at most 128 queries and keys, head size 16, 32, 64 or 128, fp16/bf16, sm_80+: one
+  thread block per (batch, head) keeps q/k/v in shared memory and the scores, probabilities and
+  gradients in tensor-core (mma.sync) registers; forward and backward are one launch each. It is
+  the second design of this backend (session 20): the first (session 11) kept the scores in
+  shared memory, was no faster than ``efficient`` end to end and failed one whole-model gradient
+  check. **Not yet run on a GPU**: session 20 had no device time left. Its index math was checked
+  lane by lane on the CPU (``scripts/emulate_short_attention.py``); the GPU tests
+  (tests/gpu/test_short_attention_cuda.py, and the short cases of test_attention_cuda.py and
+  test_model_cuda.py) decide. ``auto`` does not choose it until they pass and it is measured.
 * ``efficient``: PyTorch's memory-efficient fused attention kernel (the CUTLASS kernel behind
   ``SDPBackend.EFFICIENT_ATTENTION``), called through ``aten::_efficient_attention_forward`` /
   ``_backward`` so that causal masking (bottom-right aligned, no mask tensor) and key padding (an
@@ -35,6 +37,7 @@ For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also wri
 straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
 """
 import os
+import warnings
 
 import torch
 
@@ -42,8 +45,13 @@ from . import _extension
 
 ENV_VAR = "LS_FAIRSEQ_ATTENTION"
 BACKENDS = ("auto", "short", "efficient", "softmax")
-#: longest rows the short kernel can hold (csrc/short_attention.cu kMaxLen, kMaxDim)
+#: longest rows and the head sizes the short kernel takes (csrc/short_attention.cu)
 SHORT_LIMIT = 128
+SHORT_HEAD_DIMS = (16, 32, 64, 128)
+SHORT_UNVERIFIED = (
+    "ls_fairseq: the 'short' attention kernel (LS_FAIRSEQ_ATTENTION=short) is experimental: this "
+    "version has not been run on a GPU yet (see ls_fairseq/ops/_attention_cuda.py); "
+    "LS_FAIRSEQ_ATTENTION=auto uses the tested 'efficient' kernel")
 
 # aten's custom_mask_type values for the memory-efficient kernel
 _NO_MASK = 0
@@ -110,14 +118,13 @@ def _sm_and_smem(device):
 
 
 def _short_smem_bytes(tq: int, tk: int, d: int, elem: int) -> int:
-    """Shared memory of the short backward kernel (the larger of the two): mirrors smem_layout()
-    in csrc/short_attention.cu."""
+    """Shared memory of the short backward kernel with dropout (the larger of the two): mirrors
+    bwd_smem() in csrc/short_attention.cu."""
     up16 = lambda x: (x + 15) // 16 * 16  # noqa: E731
-    up128 = lambda x: (x + 127) // 128 * 128  # noqa: E731
-    tq_, tk_, ldh = up16(tq), up16(tk), d + 8
-    warps = 8 if (tq_ > 32 or tk_ > 32) else 4
-    return (up128(tq_ * ldh * elem) * 3 + up128(tk_ * ldh * elem) * 2 + up128(tq_ * (tk_ + 4) * 4)
-            + up128(warps * 16 * 20 * 4) + up128(2 * tq_ * 4))
+    tq_, tk_ = up16(tq), up16(tk)
+    kt = 32 if tk <= 32 else 64 if tk <= 64 else 128
+    rows_q, rows_k, ds = tq_ * (d + 8) * elem, tk_ * (d + 8) * elem, tk_ * (tq_ + 8) * elem
+    return 2 * rows_q + 2 * rows_k + max(ds, rows_q) + 2 * tq_ * 4 + tq_ * (kt // 32) * 4
 
 
 def _aligned_view(x) -> bool:
@@ -130,7 +137,7 @@ def short_supported(q, k, v) -> bool:
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
         return False
     d, tq, tk = q.size(-1), q.size(-2), k.size(-2)
-    if not (v.size(-1) == d and d % 16 == 0 and 16 <= d <= 128 and 1 <= tq <= SHORT_LIMIT
+    if not (v.size(-1) == d and d in SHORT_HEAD_DIMS and 1 <= tq <= SHORT_LIMIT
             and 1 <= tk <= SHORT_LIMIT and q.size(0) * q.size(1) < 2**31):
         return False
     if not all(_aligned_view(x) for x in (q, k, v)):
@@ -182,6 +189,8 @@ def _pick(backend, q, k, v, causal) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"attention backend {choice!r} is not one of {', '.join(BACKENDS)}")
     if choice == "short" and _extension.has_op("short_attention_fwd") and short_supported(q, k, v):
+        # shown once per process by Python's default warning filter (one call site)
+        warnings.warn(SHORT_UNVERIFIED, stacklevel=2)
         return "short"
     if choice != "softmax" and efficient_supported(q, k, v, causal):
         return "efficient"
