@@ -109,6 +109,10 @@ VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_grap
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",
                             flags=VARIANTS["ls_deferred"]["flags"] + ["--ls-async-stats"])
+# the recommended flags with one attention backend forced (LS_FAIRSEQ_ATTENTION), for A/B runs
+VARIANTS["ls_deferred_short"] = dict(VARIANTS["ls_deferred"], env={"LS_FAIRSEQ_ATTENTION": "short"})
+VARIANTS["ls_deferred_efficient"] = dict(VARIANTS["ls_deferred"],
+                                         env={"LS_FAIRSEQ_ATTENTION": "efficient"})
 
 
 def wmt_like_lengths(rng, n):
@@ -334,6 +338,7 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
                BENCH_HERE=HERE, PYTHONUNBUFFERED="1")
     if variant.startswith("ls"):
         env.setdefault("LS_FAIRSEQ_KERNELS", "require")
+    env.update(VARIANTS[variant].get("env", {}))
     if profile_at is not None:
         env.update(BENCH_PROFILE_AT=str(profile_at),
                    BENCH_PROFILE_OUT=os.path.join(log_dir, f"profile_{variant}_{max_tokens}.json"))

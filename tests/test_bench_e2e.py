@@ -204,3 +204,25 @@ def test_largest_mode_runs_the_bisection_per_variant_and_stops_on_other_failures
         if variant == "ls_deferred" else {"variant": variant, "max_tokens": mt}))
     with pytest.raises(SystemExit, match="another reason than memory"):
         e2e.main()
+
+
+def test_attention_ab_variants_set_the_backend(monkeypatch, tmp_path):
+    """ls_deferred_short / ls_deferred_efficient run ls_deferred's flags with one attention
+    backend forced through the environment of the fairseq-train they start."""
+    seen = {}
+
+    class Done:
+        returncode, stdout, stderr = 1, "", "stopped by the test"
+
+    def fake_subprocess_run(cmd, env, **kwargs):
+        seen[env.get("LS_FAIRSEQ_ATTENTION")] = cmd
+        return Done()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_subprocess_run)
+    monkeypatch.delenv("LS_FAIRSEQ_ATTENTION", raising=False)
+    args = type("Args", (), {"epochs": 1, "seed": 1, "extra": []})()
+    for variant in ("ls_deferred", "ls_deferred_short", "ls_deferred_efficient"):
+        row = e2e.run_variant(str(tmp_path), variant, 4096, args, str(tmp_path))
+        assert "stopped by the test" in row["error"]
+    assert set(seen) == {None, "short", "efficient"}
+    assert seen["short"] == seen["efficient"] == seen[None]  # the same fairseq-train command
