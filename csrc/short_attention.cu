@@ -183,6 +183,29 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* p, int ld, 
   ldsm_x4_trans(b, p + (r + 8 * (m % 2)) * ld + 8 * (m / 2));
 }
 
+// The C fragments of two neighbouring n-tiles (a 16 x 16 block) as the A fragment of the next
+// product, rounded to the storage dtype (FlashAttention's register reuse).
+template <typename T>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack2<T>(c0[0], c0[1]);
+  a[1] = pack2<T>(c0[2], c0[3]);
+  a[2] = pack2<T>(c1[0], c1[1]);
+  a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// acc (16 x D) += a . B, where `b` points at 16 rows of a row-major [k, D] shared-memory matrix.
+template <typename T, int D>
+__device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const uint32_t (&a)[4], const T* b,
+                                         int lane) {
+#pragma unroll
+  for (int n = 0; n < D / 8; n += 2) {
+    uint32_t bb[4];
+    load_b_kn(bb, b + 8 * n, D + 8, lane);
+    mma<T>(acc[n], a, bb[0], bb[1]);
+    mma<T>(acc[n + 1], a, bb[2], bb[3]);
+  }
+}
+
 // rows x D of a [B, H, T, D] view -> shared memory (row stride D + 8), zero rows up to `padded`.
 // cp.async: every thread issues all its 16-byte copies before anyone waits, so a block pays the
 // global-memory latency once per matrix set (call cp_async_wait, then a barrier).
@@ -397,15 +420,9 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(
         const bool kept = !drop.enabled || ((kw[e / 2][j / 32] >> (j % 32)) & 1u);
         z[t][e] = kept ? s[2 * kk + t][e] * mul[e / 2] : 0.f;
       }
-    const uint32_t za[4] = {pack2<T>(z[0][0], z[0][1]), pack2<T>(z[0][2], z[0][3]),
-                            pack2<T>(z[1][0], z[1][1]), pack2<T>(z[1][2], z[1][3])};
-#pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      uint32_t vb[4];
-      load_b_kn(vb, sV + 16 * kk * LD + 8 * n, LD, lane);
-      mma<T>(o[n], za, vb[0], vb[1]);
-      mma<T>(o[n + 1], za, vb[2], vb[3]);
-    }
+    uint32_t za[4];
+    c_to_a<T>(za, z[0], z[1]);
+    mma_rows<T, D>(o, za, sV + 16 * kk * LD, lane);
   }
   // out [B, Tq, H, D], staged through this warp's own Q rows
   store_tile<T, D>(o, 1.f, sQ + r0 * LD, out + (b * g.Tq * g.H + h) * D, int64_t(g.H) * D, r0, g.Tq, lane);
@@ -525,10 +542,9 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(
         ds[t][e] = to_float(from_float<T>(p)) * (dp - sDi[i]);
       }
     }
-    const uint32_t za[4] = {pack2<T>(z[0][0], z[0][1]), pack2<T>(z[0][2], z[0][3]),
-                            pack2<T>(z[1][0], z[1][1]), pack2<T>(z[1][2], z[1][3])};
-    const uint32_t dsa[4] = {pack2<T>(ds[0][0], ds[0][1]), pack2<T>(ds[0][2], ds[0][3]),
-                             pack2<T>(ds[1][0], ds[1][1]), pack2<T>(ds[1][2], ds[1][3])};
+    uint32_t za[4], dsa[4];
+    c_to_a<T>(za, z[0], z[1]);
+    c_to_a<T>(dsa, ds[0], ds[1]);
     // dS^T rows j0 + lane / 4 (+ 8), the same rounded values as dsa
 #pragma unroll
     for (int t = 0; t < 2; ++t)
@@ -536,16 +552,8 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(
       for (int hb = 0; hb < 2; ++hb)
         *reinterpret_cast<uint32_t*>(sdST + (j0 + lane / 4 + 8 * hb) * LDS + i0 + 8 * t + c0) = dsa[2 * t + hb];
     // dV += Z^T dO, dK += dS^T Q over these 16 queries
-#pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      uint32_t ob[4], qb[4];
-      load_b_kn(ob, sdO + i0 * LD + 8 * n, LD, lane);
-      mma<T>(dva[n], za, ob[0], ob[1]);
-      mma<T>(dva[n + 1], za, ob[2], ob[3]);
-      load_b_kn(qb, sQ + i0 * LD + 8 * n, LD, lane);
-      mma<T>(dka[n], dsa, qb[0], qb[1]);
-      mma<T>(dka[n + 1], dsa, qb[2], qb[3]);
-    }
+    mma_rows<T, D>(dva, za, sdO + i0 * LD, lane);
+    mma_rows<T, D>(dka, dsa, sQ + i0 * LD, lane);
   }
   // dV, dK rows j0 .. j0 + 15, staged through this warp's own V rows (no other warp reads them)
   store_tile<T, D>(dva, 1.f, sV + j0 * LD, dv + b * sdv.b + h * sdv.h, sdv.t, j0, g.Tk, lane);
@@ -562,13 +570,7 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(
       if (16 * kk >= g.Tk) continue;
       uint32_t a[4];
       load_a_trans(a, sdST + 16 * kk * LDS + m0, LDS, lane);
-#pragma unroll
-      for (int n = 0; n < D / 8; n += 2) {
-        uint32_t kb[4];
-        load_b_kn(kb, sK + 16 * kk * LD + 8 * n, LD, lane);
-        mma<T>(acc[n], a, kb[0], kb[1]);
-        mma<T>(acc[n + 1], a, kb[2], kb[3]);
-      }
+      mma_rows<T, D>(acc, a, sK + 16 * kk * LD, lane);
     }
     store_tile<T, D>(acc, scale, sQ + m0 * LD, dq + b * sdq.b + h * sdq.h, sdq.t, m0, g.Tq, lane);
   }
