@@ -240,15 +240,14 @@ __device__ __forceinline__ void keep_bits(uint32_t* keep, int row0, int rows, in
                                           uint64_t offset, uint32_t threshold) {
   constexpr int G = KT / 4;  // Philox blocks per row, a multiple of 8 (one 32-bit word = 8 blocks)
   const int n = rows * G;
-  const uint64_t per_row = static_cast<uint64_t>((Tk + 3) / 4);
   for (int base = 0; base < n; base += nthreads) {
     const int idx = base + t, i = row0 + idx / G, g = idx % G;
     uint32_t nib = 0;
     if (idx < n && i < Tq && 4 * g < Tk) {
-      const uint4 r = philox4x32_10(seed, static_cast<uint64_t>(philox_row0 + i) * per_row + g, offset / 4);
-      nib = uint32_t(r.x >= threshold) | uint32_t(r.y >= threshold) << 1 |
-            uint32_t(r.z >= threshold) << 2 | uint32_t(r.w >= threshold) << 3;
-      if (4 * g + 4 > Tk) nib &= (1u << (Tk - 4 * g)) - 1u;
+      bool keep4[4];
+      keep_mask<4>(seed, offset, philox_row0 + i, 4 * g, Tk, threshold, keep4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) nib |= uint32_t(keep4[e] && 4 * g + e < Tk) << e;
     }
     // idx % 8 == t % 8: the 8 lanes t & ~7 .. t | 7 hold the 8 blocks of one word
     uint32_t word = nib << (4 * (t % 8));

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
-from kernel_oracle import philox4x32_10  # noqa: E402
+from kernel_oracle import philox4x32_10, philox_keep  # noqa: E402
 
 T = np.arange(32)
 LOG2E = 1.4426950408889634
@@ -148,7 +148,7 @@ def kt_of(Tk):
     return 32 if Tk <= 32 else 64 if Tk <= 64 else 128
 
 
-def fwd(q, k, v, kpm, causal, drop, bh, Tq_all_rows=None):
+def fwd(q, k, v, kpm, causal, drop, bh):
     """One (b, h): q [Tq, D], k/v [Tk, D], kpm [Tk] bool or None. drop = (scale, thr, seed, off)
     or None. Returns out [Tq, D], lse [Tq]."""
     Tq, D = q.shape
@@ -231,8 +231,8 @@ def fwd(q, k, v, kpm, causal, drop, bh, Tq_all_rows=None):
                 for e in range(4):
                     j = 16 * kk + 8 * t + c0 + (e % 2)
                     if drop:
-                        kept = np.array([(kw[e // 2][w][lane] >> (j[lane] % 32)) & 1 for lane in range(32)
-                                         for w in [j[lane] // 32]]).astype(bool)
+                        kept = np.array([(kw[e // 2][j[lane] // 32][lane] >> (j[lane] % 32)) & 1
+                                         for lane in range(32)]).astype(bool)
                     else:
                         kept = np.ones(32, bool)
                     z[t][:, e] = np.where(kept, s[2 * kk + t][:, e] * mul[e // 2], 0.0)
@@ -375,15 +375,10 @@ def reference(q, k, v, kpm, causal, keep, p, dout):
 
 
 def keep_mask(bh, Tq, Tk, seed, offset, p):
-    thr = min(math.floor(p * 2**32), 2**32 - 1)
-    per_row = (Tk + 3) // 4
-    rows = torch.arange(Tq, dtype=torch.int64) + bh * Tq
-    g = (rows[:, None] * per_row + torch.arange(per_row)[None, :]).reshape(-1)
-    ctr = offset // 4
-    w = philox4x32_10(torch.full_like(g, ctr & 0xFFFFFFFF), torch.full_like(g, ctr >> 32), g & 0xFFFFFFFF,
-                      g >> 32, seed & 0xFFFFFFFF, seed >> 32)
-    w = torch.stack(w, 1).reshape(Tq, per_row * 4)[:, :Tk]
-    return (w >= thr).numpy(), thr
+    """The rows of (b, h) = bh of the kernels' keep mask (kernel_oracle's rebuild), and the
+    threshold the kernel compares with."""
+    keep = philox_keep(torch.tensor([seed, offset]), (bh + 1) * Tq, Tk, p, device="cpu")[bh * Tq:]
+    return keep.numpy(), min(math.floor(p * 2**32), 2**32 - 1)
 
 
 def case(Tq, Tk, D, causal, p, pad, seed):

@@ -189,8 +189,8 @@ def _pick(backend, q, k, v, causal) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"attention backend {choice!r} is not one of {', '.join(BACKENDS)}")
     if choice == "short" and _extension.has_op("short_attention_fwd") and short_supported(q, k, v):
-        # shown once per process by Python's default warning filter (one call site)
-        warnings.warn(SHORT_UNVERIFIED, stacklevel=2)
+        # once per process: Python's default filter shows a warning once per location (this line)
+        warnings.warn(SHORT_UNVERIFIED)
         return "short"
     if choice != "softmax" and efficient_supported(q, k, v, causal):
         return "efficient"

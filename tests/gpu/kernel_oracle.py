@@ -27,11 +27,11 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
-def philox_keep(rng, rows, C, p):
+def philox_keep(rng, rows, C, p, device="cuda"):
     """Keep mask [rows, C] the kernels draw for (seed, offset) = rng."""
     seed, offset = [int(v) & (2**64 - 1) for v in rng.tolist()]
     groups = (C + 3) // 4
-    g = torch.arange(rows * groups, device="cuda", dtype=torch.int64)
+    g = torch.arange(rows * groups, device=device, dtype=torch.int64)
     ctr = offset // 4
     words = philox4x32_10(
         torch.full_like(g, ctr & M32), torch.full_like(g, (ctr >> 32) & M32), g & M32,
