@@ -1,7 +1,7 @@
 """GPU tests of the CUDA attention (ls_fairseq/ops/_attention_cuda.py, csrc/attention.cu,
 csrc/short_attention.cu).
 
-All three backends (``short``: our opt-in single-tile kernel for rows of <= 128, which hands
+All three backends (``short``: our single-tile kernel for rows of <= 128, the default there, which hands
 longer rows, fp32 and odd head sizes to the next backend; ``efficient``: PyTorch's memory-efficient fused
 kernel; ``softmax``: cuBLAS GEMMs around the fused softmax kernel of csrc/attention.cu; the short
 kernel's exact dropout mask is tested in test_short_attention_cuda.py) are checked against
@@ -398,7 +398,7 @@ def test_dispatch_uses_cuda_and_env(monkeypatch):
     torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)
     from ls_fairseq.ops import _attention_cuda as ac
 
-    assert ac._pick(None, q, k, v, causal) == "efficient"  # auto
+    assert ac._pick(None, q, k, v, causal) == "short"  # auto, rows of 50
     monkeypatch.setenv(ac.ENV_VAR, "short")
     assert ac._pick(None, q, k, v, causal) == "short"
     monkeypatch.setenv(ac.ENV_VAR, "softmax")

@@ -74,35 +74,55 @@ def _run(model, batch, upstream):
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(8, 37, 29), (3, 1, 5), (16, 130, 7)])
-def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, shape):
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, shape, seed):
     """fp32: ls_ within 1e-4 (outputs) / 1e-3 (gradients) of fairseq. fp16: both sides round to
     fp16 at different points, so neither equals the other; the criterion is that ls_ in fp16 is
     no further from the fp32 truth (fairseq in fp32) than fairseq in fp16 is, with a 2x margin
     on outputs, 4x on gradients (reduction orders differ inside fused backward kernels), plus
     1e-3 / 1e-2 absolute slack for tensors where fairseq's own fp16 error happens to be tiny.
-    A real defect (wrong mask, scale, missing term) gives errors of order 1 and fails."""
-    _check_model(dictionary, name, dtype, shape)
+    A real defect (wrong mask, scale, missing term) gives errors of order 1 and fails.
+
+    fp16 runs the feed-forward with GELU instead of ReLU (``_FP16_SMOOTH``). ReLU's derivative
+    jumps at 0: a pre-activation within fp16 rounding of 0 takes opposite signs in two fp16
+    computations that round at different points, and that switches one unit's whole gradient
+    path on or off, an O(1) change of every upstream gradient at that position. Which run hits
+    such a tie is luck, not accuracy. Measured on H100 (session 21, pre_ln_t2t (8, 37, 29)):
+    each of the three attention backends flipped 12-16 units with |pre-activation| <= 1e-3
+    against the fp32 truth, and each backend failed the ReLU version of this check at some seed
+    (short at seed 11: encoder.layers.1.fc1.weight 0.40 of its max, 0.03 once the one flipped
+    unit is left out; efficient at seed 13; softmax at seed 11), while fairseq's own fp16, which
+    rounds where the fp32 truth does, passed. GELU has a continuous derivative, so rounding
+    moves gradients by rounding amounts only. fp32 keeps ReLU (no such ties at 1e-6), and the
+    fp16 ReLU kernel is checked on its own against fairseq in the bias_act_dropout tests."""
+    _check_model(dictionary, name, dtype, shape, seed)
 
 
-# The opt-in "short" attention kernel (LS_FAIRSEQ_ATTENTION=short) through the whole model, with
-# the tolerance of the default path. (Session 11's first version of the kernel failed the
-# pre_ln_t2t (8, 37, 29) case here, unexplained; session 20 replaced the kernel.)
+# Each attention backend forced through the whole model (auto runs "short" where rows are at
+# most 128, test_short_attention_cuda.py; these run the others end to end in fp16).
+@pytest.mark.parametrize("backend", ["efficient", "softmax"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("shape", [(8, 37, 29), (3, 1, 5), (16, 130, 7)])
-def test_model_with_short_attention(dictionary, name, shape, monkeypatch):
+def test_model_with_each_attention_backend(dictionary, name, shape, backend, monkeypatch):
     from ls_fairseq.ops import _attention_cuda as ac
 
-    monkeypatch.setenv(ac.ENV_VAR, "short")
+    monkeypatch.setenv(ac.ENV_VAR, backend)
     _check_model(dictionary, name, torch.float16, shape)
 
 
-def _check_model(dictionary, name, dtype, shape):
+# see test_model_matches_fairseq_on_gpu's docstring: ReLU ties make fp16 gradient checks luck
+_FP16_SMOOTH = ["--activation-fn", "gelu"]
+
+
+def _check_model(dictionary, name, dtype, shape, seed=11):
     arch, extra = CONFIGS[name]
-    ref, ls = build_pair(arch, dictionary, extra, seed=11)
+    if dtype != torch.float32:
+        extra = extra + _FP16_SMOOTH
+    ref, ls = build_pair(arch, dictionary, extra, seed=seed)
     ls.load_state_dict(ref.state_dict())
     truth = copy.deepcopy(ref).cuda().train()
     ref, ls = ref.cuda().to(dtype).train(), ls.cuda().to(dtype).train()
-    g = torch.Generator().manual_seed(sum(shape))
+    g = torch.Generator().manual_seed(sum(shape) + seed)
     src, src_lengths, prev, _ = random_batch(dictionary, *shape, generator=g)
     batch = (src.cuda(), src_lengths.cuda(), prev.cuda())
     upstream = torch.randn(src.size(0), prev.size(1), len(dictionary), generator=g).cuda()

@@ -190,8 +190,8 @@ def test_packed_equals_views_and_deterministic():
 
 
 def test_routing():
-    """short runs only on request (auto keeps efficient, see _attention_cuda's docstring); a request
-    it cannot serve falls to efficient, then softmax."""
+    """auto and short take the short kernel where it applies; what it cannot serve falls to
+    efficient, then softmax; a request for efficient never takes short."""
     from ls_fairseq.ops import _attention_cuda as ac
 
     def qkv(t, d=64, dtype=torch.float16, tk=None):
@@ -199,7 +199,12 @@ def test_routing():
         k = torch.randn(2, 4, tk or t, d, device=DEV, dtype=dtype)
         return q, k, k
 
-    assert ac._pick("auto", *qkv(100), False) == "efficient"
+    assert ac._pick("auto", *qkv(100), False) == "short"
+    assert ac._pick("auto", *qkv(128), True) == "short"
+    assert ac._pick("auto", *qkv(7, tk=128), False) == "short"  # cross attention
+    assert ac._pick("auto", *qkv(129), False) == "efficient"
+    assert ac._pick("efficient", *qkv(100), False) == "efficient"
+    assert ac._pick("softmax", *qkv(100), False) == "softmax"
     assert ac._pick("short", *qkv(100), False) == "short"
     assert ac._pick("short", *qkv(129), False) == "efficient"  # longer rows
     assert ac._pick("short", *qkv(50, d=72), False) == "efficient"  # head size not a multiple of 16
