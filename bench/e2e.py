@@ -109,7 +109,8 @@ VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_grap
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",
                             flags=VARIANTS["ls_deferred"]["flags"] + ["--ls-async-stats"])
-# the recommended flags with one attention backend forced (LS_FAIRSEQ_ATTENTION), for A/B runs
+# the recommended flags with one attention backend forced (LS_FAIRSEQ_ATTENTION), for A/B runs;
+# ls_deferred itself runs auto, which is short wherever rows are <= 128
 VARIANTS["ls_deferred_short"] = dict(VARIANTS["ls_deferred"], env={"LS_FAIRSEQ_ATTENTION": "short"})
 VARIANTS["ls_deferred_efficient"] = dict(VARIANTS["ls_deferred"],
                                          env={"LS_FAIRSEQ_ATTENTION": "efficient"})
