@@ -4,7 +4,7 @@
   128 queries and keys, head size 16, 32, 64 or 128, fp16/bf16, sm_80+. One thread block per
   (batch, head) keeps q/k/v in shared memory and the scores, probabilities and gradients in
   tensor-core (mma.sync) registers; forward and backward are one launch each. Measured on H100
-  (docs/PERFORMANCE.md, "Session 21"): 1.6-3x less GPU time than ``efficient`` on WMT-like
+  (docs/PERFORMANCE.md, "Session 21"): 1.35-3x less GPU time than ``efficient`` on WMT-like
   shapes, +8% end-to-end training throughput at 8192 and 65536 tokens, same loss curve. (It is
   the second design of this backend; session 11's first one kept the scores in shared memory
   and was no faster than ``efficient``.) Its index math is also emulated lane by lane on the CPU
