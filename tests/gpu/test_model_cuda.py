@@ -88,8 +88,8 @@ def test_model_matches_fairseq_on_gpu(dictionary, name, dtype, shape, seed):
     computations that round at different points, and that switches one unit's whole gradient
     path on or off, an O(1) change of every upstream gradient at that position. Which run hits
     such a tie is luck, not accuracy. Measured on H100 (session 21, pre_ln_t2t (8, 37, 29)):
-    each of the three attention backends flipped 12-16 units with |pre-activation| <= 1e-3
-    against the fp32 truth, and each backend failed the ReLU version of this check at some seed
+    the short and efficient backends each flipped 12-16 pre-activations of |h| <= 1e-3 against
+    the fp32 truth, and each of the three backends failed the ReLU version of this check at a seed
     (short at seed 11: encoder.layers.1.fc1.weight 0.40 of its max, 0.03 once the one flipped
     unit is left out; efficient at seed 13; softmax at seed 11), while fairseq's own fp16, which
     rounds where the fp32 truth does, passed. GELU has a continuous derivative, so rounding
