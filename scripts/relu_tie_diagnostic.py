@@ -9,12 +9,12 @@ them, and fc1.weight's gradient error over all units and over the units that did
 
 Records the inputs by wrapping ls_fairseq.modules.encoder_layer.feed_forward (this script only).
 """
-import copy, os, sys, warnings
+import os, sys, warnings
 warnings.filterwarnings("ignore")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests")); sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 import torch
-from fairseq_helpers import build_pair, make_dictionary, random_batch
+from fairseq_helpers import make_dictionary
 import test_model_cuda as T
 from ls_fairseq.modules import encoder_layer as EL, decoder_layer as DL
 
@@ -28,25 +28,19 @@ EL.feed_forward = ff; DL.feed_forward = ff
 
 def check(name, shape, backend, seed):
     os.environ["LS_FAIRSEQ_ATTENTION"] = backend
-    arch, extra = T.CONFIGS[name]
-    ref, ls = build_pair(arch, d, extra, seed=seed)
-    ls.load_state_dict(ref.state_dict())
-    truth = copy.deepcopy(ref).cuda().train()
-    ls = ls.cuda().half().train()
+    # the config's own activation (ReLU), and session 21's batches (generator seed sum(shape))
+    truth, _, ls, batch, up = T.build_case(d, name, torch.float16, shape, seed, batch_seed=sum(shape))
+    src, _, prev = batch
     tin = {}
     for n, m in truth.named_modules():
         if n.endswith("fc1"):
             m.register_forward_hook(lambda mod, i, o, n=n: tin.__setitem__(n, i[0].detach().float().transpose(0, 1)))
-    g = torch.Generator().manual_seed(sum(shape))
-    src, sl, prev, _ = random_batch(d, *shape, generator=g)
-    batch = (src.cuda(), sl.cuda(), prev.cuda())
-    up = torch.randn(src.size(0), prev.size(1), len(d), generator=g).cuda()
     T._run(truth, batch, up); rec.clear(); T._run(ls, batch, up)
     lsmods = dict(ls.named_modules()); tp = dict(truth.named_parameters()); lp = dict(ls.named_parameters())
     for n, xt in tin.items():
         layer = n[: -len(".fc1")]
         xl = rec[id(lsmods[layer])]
-        nonpad = (src if layer.startswith("encoder") else prev).ne(d.pad()).cuda()
+        nonpad = (src if layer.startswith("encoder") else prev).ne(d.pad())
         W, b = tp[n + ".weight"].float(), tp[n + ".bias"].float()
         ht, hl = xt @ W.t() + b, xl @ W.t() + b
         flip = ((ht > 0) != (hl > 0)) & nonpad[..., None]
@@ -58,7 +52,6 @@ def check(name, shape, backend, seed):
               f" max |h_truth| at flips {float(ht[flip].abs().max()) if flip.any() else 0:.1e};"
               f" fc1.weight err all units {float(err.max()):.2e}, without flipped units {rest:.2e}")
 
-# the config's own activation (ReLU); test_model_cuda.py's fp16 checks switch to GELU because of this
 for seed, shape in [(11, (8, 37, 29)), (13, (8, 37, 29))]:
     print("pre_ln_t2t", shape, "seed", seed)
     for be in ("short", "efficient", "softmax"):

@@ -114,18 +114,25 @@ def test_model_with_each_attention_backend(dictionary, name, shape, backend, mon
 _FP16_SMOOTH = ["--activation-fn", "gelu"]
 
 
-def _check_model(dictionary, name, dtype, shape, seed=11):
-    arch, extra = CONFIGS[name]
-    if dtype != torch.float32:
-        extra = extra + _FP16_SMOOTH
-    ref, ls = build_pair(arch, dictionary, extra, seed=seed)
+def build_case(dictionary, name, dtype, shape, seed=11, extra=(), batch_seed=None):
+    """(fp32 fairseq truth, fairseq in ``dtype``, ls_ in ``dtype``, batch, upstream gradient):
+    config ``name`` with ``extra`` flags, the same weights in all three, a random padded batch of
+    ``shape`` (generator seeded with ``batch_seed``, default ``sum(shape) + seed``)."""
+    arch, flags = CONFIGS[name]
+    ref, ls = build_pair(arch, dictionary, flags + list(extra), seed=seed)
     ls.load_state_dict(ref.state_dict())
     truth = copy.deepcopy(ref).cuda().train()
     ref, ls = ref.cuda().to(dtype).train(), ls.cuda().to(dtype).train()
-    g = torch.Generator().manual_seed(sum(shape) + seed)
+    g = torch.Generator().manual_seed(sum(shape) + seed if batch_seed is None else batch_seed)
     src, src_lengths, prev, _ = random_batch(dictionary, *shape, generator=g)
     batch = (src.cuda(), src_lengths.cuda(), prev.cuda())
     upstream = torch.randn(src.size(0), prev.size(1), len(dictionary), generator=g).cuda()
+    return truth, ref, ls, batch, upstream
+
+
+def _check_model(dictionary, name, dtype, shape, seed=11):
+    truth, ref, ls, batch, upstream = build_case(
+        dictionary, name, dtype, shape, seed, extra=_FP16_SMOOTH if dtype != torch.float32 else ())
     truth_out = _run(truth, batch, upstream)
     ref_out = _run(ref, batch, upstream)
     ls_out = _run(ls, batch, upstream)
