@@ -297,6 +297,11 @@ def interval_ends(log):
     return [float(t) for t in INTERVAL_END.findall(log)]
 
 
+def stamped(inner, ends) -> bool:
+    """True when the stamps pair up with fairseq's logged intervals (one each)."""
+    return ends is not None and len(ends) == len(inner)
+
+
 def interval_wps(inner, epoch, ends=None):
     """Tokens/s over the logged intervals of one epoch, leaving out its first interval (it spans
     the end-of-epoch work: iterator and data-loader restart, a few seconds). On this small corpus
@@ -312,7 +317,7 @@ def interval_wps(inner, epoch, ends=None):
     backward and optimizer step, about 0.7 of an update per log, so they read high (session 19,
     ls_ with the deferred check: +7% at 8192 tokens and --log-interval 10, +16% and +37% at 131072
     tokens and --log-interval 5 and 2; fairseq's baseline, which syncs every update: within 2%)."""
-    if ends is None or len(ends) != len(inner):
+    if not stamped(inner, ends):
         rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
         return time_weighted_wps(rows) if rows else None
     tokens, seconds = timed_tokens([[(int(s["num_updates"]), float(s["wpb"]), end)
@@ -373,7 +378,7 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     if epochs:
         ends = interval_ends(log)
         row["wps_steady_intervals"] = interval_wps(inner, max(epochs), ends)
-        row["intervals_timed"] = len(ends) == len(inner)  # else fairseq's own interval figures
+        row["intervals_timed"] = stamped(inner, ends)  # else fairseq's own interval figures
         row["wps_steady_intervals_fairseq"] = interval_wps(inner, max(epochs))
         row["mfu_steady_intervals"] = mfu(row["wps_steady_intervals"] or 0, args.peak_tflops)
     row["mfu_steady"] = mfu(row.get("wps_steady", 0), args.peak_tflops)

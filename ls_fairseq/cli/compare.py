@@ -513,10 +513,10 @@ def wall_clock_wps(inner):
     reads high by ~0.7 / --log-interval; the timestamps include the wait."""
     if inner is None or not len(inner):
         return None, "no per-interval training records"
-    for key, what in (("ts", "log timestamp"), ("wpb", "wpb")):
+    for key, what, absent in (("ts", "log timestamp", "no log timestamps (a --log-file log has none)"),
+                              ("wpb", "wpb", "no wpb on the training intervals")):
         if key not in inner:
-            return None, ("no log timestamps (a --log-file log has none)" if key == "ts"
-                          else "no wpb on the training intervals")
+            return None, absent
         lacking = int(inner[key].isna().sum())
         if lacking:
             return None, "{} of {} training intervals have no {}".format(lacking, len(inner), what)
