@@ -216,11 +216,28 @@ __global__ void __launch_bounds__(kSegThreads)
   }
 }
 
-template <typename T>
+// fp32 accumulator -> table dtype. kVec: 4 elements per step (one 16-byte load, one 8-byte
+// store; both buffers suitably aligned), then the n % 4 tail element by element. The scalar
+// version ran at ~40% of the copy bandwidth (0.18 ms for a 32k x 1024 table on the H100).
+template <typename T, bool kVec>
 __global__ void cast_kernel(const float* __restrict__ in, T* __restrict__ out, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = from_float<T>(in[i]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t tail = 0;
+  if constexpr (kVec) {
+    const int64_t n4 = n / 4;
+    for (int64_t i = first; i < n4; i += stride) {
+      const float4 v = reinterpret_cast<const float4*>(in)[i];
+      Pack<T, 4> pk;
+      pk.v[0] = from_float<T>(v.x);
+      pk.v[1] = from_float<T>(v.y);
+      pk.v[2] = from_float<T>(v.z);
+      pk.v[3] = from_float<T>(v.w);
+      reinterpret_cast<Pack<T, 4>*>(out)[i] = pk;
+    }
+    tail = n4 * 4;
+  }
+  for (int64_t i = tail + first; i < n; i += stride) out[i] = from_float<T>(in[i]);
 }
 
 // ---------------------------------------------------------------- host side
@@ -406,10 +423,18 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(
         auto cast = [&](const at::Tensor& acc, at::Tensor& outt) {
           const int64_t n = acc.numel();
           if (n == 0) return;
+          const float* src = acc.data_ptr<float>();
+          T* dst = reinterpret_cast<T*>(outt.data_ptr());
+          const bool vec = reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(dst) % sizeof(Pack<T, 4>) == 0;
+          const int64_t steps = vec ? std::max<int64_t>(n / 4, 1) : n;
           const unsigned blocks = static_cast<unsigned>(
-              std::min<int64_t>((n + 255) / 256, static_cast<int64_t>(sm_count(dev)) * 16));
-          cast_kernel<T><<<blocks, 256, 0, stream>>>(acc.data_ptr<float>(),
-                                                     reinterpret_cast<T*>(outt.data_ptr()), n);
+              std::min<int64_t>((steps + 255) / 256, static_cast<int64_t>(sm_count(dev)) * 16));
+          if (vec) {
+            cast_kernel<T, true><<<blocks, 256, 0, stream>>>(src, dst, n);
+          } else {
+            cast_kernel<T, false><<<blocks, 256, 0, stream>>>(src, dst, n);
+          }
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
         if (token_grad) cast(aE, gE);

@@ -14,15 +14,19 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   ``--ls-cuda-graphs-memory compact`` (the default), a forward without gradients grows the lazy
   state and the shape is captured at once (``_grow_lazy_state``). Capturing means: the
   criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
-  second, which adds the gradients into fixed accumulator buffers; the step itself is then the
-  first replay. Before the first capture, one more eager step on the capture stream
+  second, which writes the gradients into fixed accumulator buffers; the step itself is then the
+  first replay. A backward graph captured at an update's first micro-batch overwrites the
+  accumulators (nothing to add to; the flat buffers need no zeroing); once an update of several
+  micro-batches (``--update-freq``) is seen, the graphs that overwrite are dropped and new ones
+  add into the accumulators. Before the first capture, one more eager step on the capture stream
   (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
   later shapes capture without it (``bench/capture_cost.py``: a capture then costs 63 instead of
   105 ms for transformer big at ~6.7k tokens, against 54 ms for an eager step).
 * The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
   usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
-  accumulators become the parameters' ``.grad`` (zeroed when fairseq has set ``.grad`` to None),
+  accumulators become the parameters' ``.grad`` (zeroed or overwritten when fairseq has set
+  ``.grad`` to None),
   so ``--update-freq`` accumulation, gradient clipping and every fairseq optimizer wrapper work
   unchanged. Eager steps (e.g. a shape's first sighting) accumulate into the same buffers: with
   several GPUs every rank then all-reduces the same flat buffers in the same NCCL calls, whether
@@ -73,13 +77,16 @@ _ALIGN = 16
 class _Graphs:
     """The captured forward/backward pair of one batch shape and its static tensors."""
 
-    def __init__(self, static_inputs, outputs, grad_output, fwd, bwd, ready):
+    def __init__(self, static_inputs, outputs, grad_output, fwd, bwd, ready, overwrites):
         self.static_inputs = static_inputs
         self.outputs = outputs  # static output tensors of the forward graph (None kept as None)
         self.grad_output = grad_output
         self.fwd = fwd
         self.bwd = bwd
         self.ready = ready  # per gradient bucket, the external event the backward replay records
+        # the backward writes the gradients into the accumulators instead of adding them
+        # (captured at the first micro-batch of an update: CudaGraphedLoss._grads)
+        self.overwrites = overwrites
 
 
 CAPTURE_CHOICES = ("auto", "first-sighting", "second-sighting")  # --ls-cuda-graphs-capture
@@ -220,6 +227,9 @@ class CudaGraphedLoss:
         self._pending = None  # weakref to the replayed loss whose backward has not run yet
         self._warned_cpu = False
         self._stream_warm = False  # the capture stream has run one eager warm-up step
+        # an update of several micro-batches was seen: new backward graphs add into the
+        # accumulators (until then they overwrite them, see _grads)
+        self._accumulating = False
         self.stats = collections.Counter()  # eager / captured / replayed calls (for tests/logs)
 
     # -- public ------------------------------------------------------------------------------
@@ -244,7 +254,8 @@ class CudaGraphedLoss:
                 if not (self.policy.first_sighting and self.memory == "compact"):
                     return self._eager(model, sample, compute, sync and ddp, key)
                 self._grow_lazy_state(model, sample, compute)
-            graphs = self._capture(model, sample, compute, key[1], record_ready=ddp is not None)
+            graphs = self._capture(model, sample, compute, key[1], record_ready=ddp is not None,
+                                   overwrite=not self._accumulating and self._fresh())
             self.policy.ran(*key)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
@@ -364,14 +375,21 @@ class CudaGraphedLoss:
                         f"completes them")
         self.stats["overlapped_all_reduce"] += 1
 
-    def _bind_accumulators(self):
+    def _fresh(self):
+        """No gradient yet in this update (fairseq's zero_grad sets every ``.grad`` to None)."""
+        return all(p.grad is None for p in self._params)
+
+    def _bind_accumulators(self, zero=True):
         """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
         then adds into it in place). Returns the (parameter, accumulator) pairs whose ``.grad``
-        someone else allocated; those accumulators are zeroed too."""
+        someone else allocated; those accumulators are zeroed too. ``zero=False``: at the start
+        of an update the accumulators are left as they are (a backward graph that overwrites
+        them follows)."""
         foreign = []
-        if all(p.grad is None for p in self._params):  # fairseq's zero_grad: set to None
-            for flat in self._flats:
-                flat.zero_()
+        if self._fresh():
+            if zero:
+                for flat in self._flats:
+                    flat.zero_()
             grad_buckets.mark_all_reduced(self._flats, False)
             for p, acc in zip(self._params, self._accumulators):
                 p.grad = acc
@@ -384,6 +402,18 @@ class CudaGraphedLoss:
                 acc.zero_()
                 foreign.append((p, acc))
         return foreign
+
+    def _start_accumulating(self):
+        """Updates have several micro-batches (--update-freq): from now on backward graphs add
+        into the accumulators; those that overwrite them are dropped (captured again when their
+        shape comes back)."""
+        self._accumulating = True
+        dropped = [k for k, g in self._graphs.items() if g.overwrites]
+        for key in dropped:
+            del self._graphs[key]
+        self.stats["dropped_overwriting"] += len(dropped)
+        logger.info("--ls-cuda-graphs: updates of several micro-batches: gradients are added "
+                    "into the accumulators from now on")
 
     def _setup(self, model):
         if self._model_ref is not None and self._model_ref() is model:
@@ -447,19 +477,30 @@ class CudaGraphedLoss:
         keys = sorted(sample["net_input"])
         return {"net_input": dict(zip(keys, static_inputs[:-1])), "target": static_inputs[-1]}
 
-    def _grads(self, outputs, grad_output, record_ready):
+    def _grads(self, outputs, grad_output, record_ready, overwrite):
         """The backward (being captured): each bucket's gradients are added into the
         accumulators as soon as the last of them is computed, then (``record_ready``) an external
-        event is recorded, which each replay signals. Returns the events (or None)."""
+        event is recorded, which each replay signals. Returns the events (or None).
+
+        ``overwrite`` (captured at an update's first micro-batch, while no update of several
+        micro-batches has been seen): the gradients are copied into the accumulators and those
+        of parameters without a gradient zeroed, so the replay need not zero the flat buffers
+        first nor read them (one pass over the gradients instead of three: ~0.2 ms of an update
+        at 8192 tokens on the H100, docs/PERFORMANCE.md session 22)."""
         buckets = self._buckets
         left = list(buckets.sizes)
         pairs = [[] for _ in left]
+        got = [False] * len(self._accumulators)
         ready = [None] * len(left)
 
         def flush(b):  # on autograd's device thread: name the stream being captured
             with torch.cuda.stream(self._stream):
                 if pairs[b]:
-                    torch._foreach_add_([a for a, _ in pairs[b]], [g for _, g in pairs[b]])
+                    store = torch._foreach_copy_ if overwrite else torch._foreach_add_
+                    store([a for a, _ in pairs[b]], [g for _, g in pairs[b]])
+                if overwrite and left[b] > 0:  # parameters of this bucket that got no gradient
+                    torch._foreach_zero_([a for i, a in enumerate(self._accumulators)
+                                          if buckets.bucket_of[i] == b and not got[i]])
                 if record_ready:
                     ready[b] = torch.cuda.Event(external=True)
                     ready[b].record(self._stream)
@@ -469,6 +510,7 @@ class CudaGraphedLoss:
             b = buckets.bucket_of[i]
             if grad is not None:
                 pairs[b].append((self._accumulators[i], grad))
+                got[i] = True
             left[b] -= 1
             if left[b] == 0:
                 flush(b)
@@ -484,9 +526,9 @@ class CudaGraphedLoss:
                 flush(b)
         return ready if record_ready else None
 
-    def _capture(self, model, sample, compute, shapes, record_ready=False):
+    def _capture(self, model, sample, compute, shapes, record_ready=False, overwrite=False):
         """Captures the step of ``sample``, whose inputs have ``shapes`` (the key's: net_input
-        by name, then target)."""
+        by name, then target); ``overwrite``: see ``_grads``."""
         device = self._params[0].device
         if self._memory is None:
             self._memory = GraphMemory(device, compact=self.memory == "compact")
@@ -512,7 +554,8 @@ class CudaGraphedLoss:
                 if not torch.is_tensor(outputs[0]) or outputs[0].dim() != 0:
                     raise ValueError("the criterion's loss must be a scalar tensor")
                 grad_output = torch.ones_like(outputs[0])
-                ready = self._captured(bwd, lambda: self._grads(outputs, grad_output, record_ready))
+                ready = self._captured(bwd, lambda: self._grads(outputs, grad_output, record_ready,
+                                                                overwrite))
         except Exception as exc:
             hint = (" (or, if this names the memory pool, with --ls-cuda-graphs-memory grow)"
                     if self.memory == "compact" else "")
@@ -522,7 +565,7 @@ class CudaGraphedLoss:
                 f"--ls-cuda-graphs{hint}, and please report this.") from exc
         current.wait_stream(self._stream)
         static_outputs = tuple(o.detach() if torch.is_tensor(o) else o for o in outputs)
-        return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd, ready)
+        return _Graphs(static_inputs, static_outputs, grad_output, fwd, bwd, ready, overwrite)
 
     def _warm_up(self, model, sample, compute):
         """One eager step on the capture stream, its gradients dropped and its dropout draws
@@ -576,8 +619,18 @@ class CudaGraphedLoss:
     def _replay_backward(self, graphs, grad):
         self._pending = None
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
-        foreign = self._bind_accumulators()
-        graphs.bwd.replay()
+        if graphs.overwrites and not self._fresh():
+            # a later micro-batch of an update: this graph would overwrite the earlier ones' sum
+            foreign = self._bind_accumulators()
+            earlier = [flat.clone() for flat in self._flats]
+            graphs.bwd.replay()
+            torch._foreach_add_(self._flats, earlier)
+            if self._reduce is not None:  # the buckets' events precede the add: wait for all
+                self._reduce.ready = None
+            self._start_accumulating()
+        else:
+            foreign = self._bind_accumulators(zero=not graphs.overwrites)
+            graphs.bwd.replay()
         for p, acc in foreign:
             p.grad.add_(acc)
         self._queue_reduce()

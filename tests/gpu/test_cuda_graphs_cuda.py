@@ -117,7 +117,11 @@ def test_replay_matches_eager(dictionary, dtype, dropout):
     updates = [[shape] + ([SHAPES[(i + 2) % len(SHAPES)]] if i % 3 == 1 else [])
                for i, shape in enumerate(SHAPES)]
     _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=100)
-    assert graphed.graphs.stats["captured"] == 3
+    # 3 shapes captured at updates of one micro-batch (their backward overwrites the
+    # accumulators); the first update of two micro-batches drops them, and they are captured
+    # again (adding into the accumulators) when they come back
+    assert graphed.graphs.stats["dropped_overwriting"] == 3
+    assert graphed.graphs.stats["captured"] == 6
     assert graphed.graphs.stats["replayed"] >= 5
     assert len(warm_ups) == 1
 
@@ -143,8 +147,11 @@ def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
                for i, shape in enumerate(shapes)]
     _assert_replays_match_eager(dictionary, eager, graphed, m1, m2, dtype, updates, seed=300)
     assert graphed.shape_buckets.shapes == [(8, 14, 12)]
-    # the first step grows the lazy state without gradients, then is captured (compact memory)
-    assert dict(graphed.graphs.stats) == {"dry_run": 1, "captured": 1, "replayed": 7}
+    # the first step grows the lazy state without gradients, then is captured (compact memory);
+    # the first update of two micro-batches drops that graph (it overwrites the accumulators)
+    # and the next step captures the shape again
+    assert dict(graphed.graphs.stats) == {"dry_run": 1, "captured": 2, "replayed": 7,
+                                          "dropped_overwriting": 1}
 
 
 @pytest.mark.parametrize("memory", ["compact", "grow"])
@@ -168,6 +175,10 @@ def test_first_sighting_captures_match_eager(dictionary, dtype, memory):
         ls_cuda_graphs_memory=memory, **kwargs)
     m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
     m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
+    # updates of several micro-batches from the start: every graph adds into the accumulators,
+    # so the counts below follow the capture policy alone (test_overwriting_backward_graphs
+    # covers the graphs that overwrite them)
+    graphed.graphs._accumulating = True
     updates = [[(8, 29, 31)],                # grow: eager (nothing ran before); compact: captured
                [(5, 13, 11)],                # captured at its first sighting
                [(3, 7, 20), (5, 13, 11)],    # captured; replayed
@@ -182,6 +193,46 @@ def test_first_sighting_captures_match_eager(dictionary, dtype, memory):
     else:
         assert dict(graphed.graphs.stats) == {"dry_run": 3, "captured": 5, "replayed": 11}
     assert len(m2.encoder.embedding._outgrown) == 2  # grown at (8, 29, 31) and (6, 40, 12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_overwriting_backward_graphs(dictionary, dtype):
+    """A shape captured at an update's first micro-batch writes the gradients into the
+    accumulators instead of adding them (no zeroing of the flat buffers before its replays). The
+    buffers are filled with NaN before every update here: any accumulator the replay does not
+    write (including that of a parameter without a gradient, which the graph zeroes; eager steps
+    zero it too) would show.
+    Then an update of two micro-batches whose second replays such a graph: the earlier gradient
+    is added back, the overwriting graphs are dropped, and later captures add. Gradients match
+    eager steps throughout (tolerances as above; dropout 0.2)."""
+    eager, graphed, m1, m2 = _pair(dictionary, dtype, 0.2)
+    for m in (m1, m2):  # a parameter the loss does not use: no gradient
+        m.register_parameter("unused", torch.nn.Parameter(torch.ones(5, device="cuda", dtype=dtype)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    scale = 1.0 if dtype == torch.float32 else 128.0
+    a, b = (4, 9, 7), (6, 5, 12)
+    updates = [[a], [a], [b], [b], [a], [b], [a, b], [a], [b, a]]
+    for i, shapes in enumerate(updates):
+        for acc in graphed.graphs._accumulators or []:  # last update's gradients, made stale
+            acc.fill_(float("nan"))
+        samples = [_sample(dictionary, s, 700 + 10 * i + k) for k, s in enumerate(shapes)]
+        _, want = _step(eager, m1, samples, scale, seed=i)
+        _, got = _step(graphed, m2, samples, scale, seed=i)
+        assert torch.equal(got.pop("unused"), torch.zeros_like(m2.unused)), i
+        assert want.keys() == got.keys(), i
+        for k in want:
+            assert grad_err(k, got[k], want) <= tol, (i, shapes, k)
+        if i == 5:  # a and b captured at updates of one micro-batch
+            assert all(g.overwrites for g in graphed.graphs._graphs.values())
+            assert graphed.graphs.stats["captured"] == 2
+        with torch.no_grad():
+            for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                if p1.grad is not None:
+                    p1.add_(p1.grad, alpha=-1e-3 / scale)
+                p2.copy_(p1)
+    stats = graphed.graphs.stats
+    assert stats["dropped_overwriting"] == 2 and stats["captured"] == 4, dict(stats)
+    assert not any(g.overwrites for g in graphed.graphs._graphs.values())
 
 
 def test_replays_draw_new_dropout_masks(dictionary):
@@ -405,7 +456,12 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
             assert _rel(p.grad, 3 * want[k]) <= 1e-5, (u, k, _rel(p.grad, 3 * want[k]))
     stats = graphed.graphs.stats
     assert stats["overlapped_all_reduce"] == len(updates)
-    assert stats["replayed"] >= 3 and stats["captured"] == 3
+    # (4, 9, 7) and (6, 5, 12) captured at updates' first micro-batches overwrite the
+    # accumulators; update 3 replays one as its second micro-batch (the earlier gradients are
+    # added back after the replay, and the all-reduce then waits for the whole backward), drops
+    # both, and (4, 9, 7) is captured again at update 4
+    assert stats["dropped_overwriting"] == 2
+    assert stats["replayed"] >= 3 and stats["captured"] == 4
     buckets = graphed.graphs._buckets.buckets
     assert len(buckets) >= 4 and sum(reduced) == len(updates) * sum(h - lo for _, lo, h in buckets)
     # a replayed and an eager forward ending in one backward pass: wait for the whole pass
