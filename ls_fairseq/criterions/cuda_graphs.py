@@ -411,6 +411,10 @@ class CudaGraphedLoss:
         dropped = [k for k, g in self._graphs.items() if g.overwrites]
         for key in dropped:
             del self._graphs[key]
+        if dropped and not self._graphs and self._memory is not None:
+            # a pool all of whose graphs are gone cannot be captured into again (torch 2.11's
+            # host allocator asserts in capture_begin); the next captures get a fresh one
+            self._memory.new_pool()
         self.stats["dropped_overwriting"] += len(dropped)
         logger.info("--ls-cuda-graphs: updates of several micro-batches: gradients are added "
                     "into the accumulators from now on")
