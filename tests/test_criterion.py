@@ -165,7 +165,8 @@ def test_cuda_graphs_replay_backward_bookkeeping(dictionary):
     model = build_model("ls_transformer", dictionary, TINY, seed=3)
     runner = crit.graphs
     runner._setup(model)
-    graphs = SimpleNamespace(grad_output=torch.zeros(()), bwd=_AddOne(runner._flats))
+    graphs = SimpleNamespace(grad_output=torch.zeros(()), bwd=_AddOne(runner._flats),
+                             overwrites=False)
     params = runner._params
     for flat in runner._flats:
         flat.fill_(5)  # stale values from an earlier update
@@ -182,6 +183,41 @@ def test_cuda_graphs_replay_backward_bookkeeping(dictionary):
     assert torch.equal(params[0].grad, torch.ones_like(params[0]))
     assert params[1].grad is foreign and torch.equal(foreign, torch.full_like(foreign, 8))
     assert all(torch.equal(p.grad, torch.full_like(p, 3)) for p in params[2:])
+
+
+def test_cuda_graphs_overwriting_backward_bookkeeping(dictionary):
+    """The same with a stand-in backward graph that overwrites every accumulator with 1 (as one
+    captured at an update's first micro-batch does): at the start of an update the stale values
+    are not zeroed first, they are overwritten; at a later micro-batch of the update the earlier
+    gradients are added back after the replay, and the runner switches to adding (the graphs
+    that overwrite are dropped)."""
+    class _SetOne:
+        def __init__(self, flats):
+            self.flats = flats
+
+        def replay(self):
+            for flat in self.flats:
+                flat.fill_(1)
+
+    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
+                                                label_smoothing=0.1, ls_cuda_graphs=True)
+    model = build_model("ls_transformer", dictionary, TINY, seed=3)
+    runner = crit.graphs
+    runner._setup(model)
+    graphs = SimpleNamespace(grad_output=torch.zeros(()), bwd=_SetOne(runner._flats),
+                             overwrites=True)
+    runner._graphs["shape"] = graphs
+    params = runner._params
+    for flat in runner._flats:
+        flat.fill_(5)  # stale values from an earlier update
+    runner._replay_backward(graphs, torch.tensor(2.0))
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+    assert all(p.grad.data_ptr() == a.data_ptr() for p, a in zip(params, runner._accumulators))
+    assert not runner._accumulating and "shape" in runner._graphs
+    runner._replay_backward(graphs, torch.tensor(1.0))  # second micro-batch: 1 + 1
+    assert all(torch.equal(p.grad, torch.full_like(p, 2)) for p in params)
+    assert runner._accumulating and not runner._graphs
+    assert runner.stats["dropped_overwriting"] == 1
 
 
 @pytest.mark.parametrize("report_accuracy", [False, True])

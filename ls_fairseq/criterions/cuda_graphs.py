@@ -18,7 +18,7 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   first replay. A backward graph captured at an update's first micro-batch overwrites the
   accumulators (nothing to add to; the flat buffers need no zeroing); once an update of several
   micro-batches (``--update-freq``) is seen, the graphs that overwrite are dropped and new ones
-  add into the accumulators. Before the first capture, one more eager step on the capture stream
+  add into the accumulators, as they always do under legacy DDP's bucketed all-reduce. Before the first capture, one more eager step on the capture stream
   (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
   later shapes capture without it (``bench/capture_cost.py``: a capture then costs 63 instead of
   105 ms for transformer big at ~6.7k tokens, against 54 ms for an eager step).
@@ -254,8 +254,11 @@ class CudaGraphedLoss:
                 if not (self.policy.first_sighting and self.memory == "compact"):
                     return self._eager(model, sample, compute, sync and ddp, key)
                 self._grow_lazy_state(model, sample, compute)
+            # under legacy DDP the graphs keep adding: each bucket's all-reduce waits on the
+            # event recorded after its add, which a later micro-batch's replay must not undo
             graphs = self._capture(model, sample, compute, key[1], record_ready=ddp is not None,
-                                   overwrite=not self._accumulating and self._fresh())
+                                   overwrite=ddp is None and not self._accumulating
+                                   and self._fresh())
             self.policy.ran(*key)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
@@ -487,7 +490,7 @@ class CudaGraphedLoss:
         event is recorded, which each replay signals. Returns the events (or None).
 
         ``overwrite`` (captured at an update's first micro-batch, while no update of several
-        micro-batches has been seen): the gradients are copied into the accumulators and those
+        micro-batches has been seen, and not under legacy DDP): the gradients are copied into the accumulators and those
         of parameters without a gradient zeroed, so the replay need not zero the flat buffers
         first nor read them (one pass over the gradients instead of three: ~0.2 ms of an update
         at 8192 tokens on the H100, docs/PERFORMANCE.md session 22)."""
@@ -629,8 +632,6 @@ class CudaGraphedLoss:
             earlier = [flat.clone() for flat in self._flats]
             graphs.bwd.replay()
             torch._foreach_add_(self._flats, earlier)
-            if self._reduce is not None:  # the buckets' events precede the add: wait for all
-                self._reduce.ready = None
             self._start_accumulating()
         else:
             foreign = self._bind_accumulators(zero=not graphs.overwrites)
