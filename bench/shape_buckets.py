@@ -8,6 +8,8 @@ batched by fairseq's own ``batch_by_size`` (``--max-tokens``, ``--required-batch
 criterion's ``ShapeBuckets``, fed the batches in training order) it prints
 
 * the distinct batch shapes (batch size, source length, target length) of an epoch,
+* the target fill of fairseq's own batches: target tokens / target positions (each batch is
+  padded to its longest target; the decoder and the output projection compute every position),
 * the padding's cost: token slots (source + target positions) of the padded batches / those of
   the batches as fairseq makes them - 1,
 * how ``--ls-cuda-graphs`` runs the steps of epochs 1 and 2 (batches shuffled per epoch as
@@ -40,7 +42,10 @@ from ls_fairseq.criterions.graph_memory import MEMORY_CHOICES  # noqa: E402
 from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
 
 
-def batches(sentences, max_tokens, seed):
+def batches(sentences, max_tokens, seed, target_fill=False):
+    """fairseq's batches of the corpus as (sentences, source length, target length) shapes; with
+    ``target_fill`` also the share of the batches' target positions that hold tokens (the rest
+    is the padding up to each batch's longest target)."""
     src, tgt = wmt_like_lengths(np.random.default_rng(seed), sentences)
     src, tgt = src + 1, tgt + 1  # fairseq-preprocess appends end-of-sentence
     indices = np.random.default_rng(seed).permutation(sentences).astype(np.int64)
@@ -50,7 +55,11 @@ def batches(sentences, max_tokens, seed):
     out = data_utils.batch_by_size(indices, lambda i: num_tokens[i], max_tokens=max_tokens,
                                    required_batch_size_multiple=8,
                                    num_tokens_vec=num_tokens[indices])
-    return [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
+    shapes = [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
+    if not target_fill:
+        return shapes
+    real = sum(int(tgt[b].sum()) for b in out)
+    return shapes, real / sum(rows * tgt_len for rows, _, tgt_len in shapes)
 
 
 def simulate(raw, buckets, epochs, max_graphs, seed, first_sighting, compact=True):
@@ -98,13 +107,13 @@ def main():
                     help="--ls-cuda-graphs-memory to simulate")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    print("| sentences | max-tokens | batches/epoch | buckets : slack | capture at | shapes | "
-          "padding cost | epoch 1 eager / captured / replayed | "
+    print("| sentences | max-tokens | batches/epoch | target fill | buckets : slack | capture at | "
+          "shapes | padding cost | epoch 1 eager / captured / replayed | "
           "epoch 2 eager / captured / replayed |")
-    print("|---:|---:|---:|---|---|---:|---:|---|---|")
+    print("|---:|---:|---:|---:|---|---|---:|---:|---|---|")
     for n in args.sentences:
         for mt in args.max_tokens:
-            raw = batches(n, mt, args.seed)
+            raw, fill = batches(n, mt, args.seed, target_fill=True)
             for grid in args.grids:
                 steps, _, slack = grid.partition(":")
                 for capture in args.capture:
@@ -116,7 +125,7 @@ def main():
                     fmt = lambda c: " / ".join(f"{c[k] / len(raw):.0%}" for k in  # noqa: E731
                                                ("eager", "captured", "replayed"))
                     label = "off" if buckets is None else f"{steps} : {float(slack or 0):g}"
-                    print(f"| {n:,} | {mt} | {len(raw):,} | {label} | "
+                    print(f"| {n:,} | {mt} | {len(raw):,} | {fill:.3f} | {label} | "
                           f"{'first' if first else 'second'} | {len(set(padded)):,} | "
                           f"{cost:.1%} | {fmt(e1)} | {fmt(e2)} |", flush=True)
 
