@@ -13,21 +13,13 @@ docs/PERFORMANCE.md, session 22). Prints two tables:
     python bench/grad_reductions.py
 """
 import argparse
+import os
+import sys
 
 import torch
 
-
-def gpu_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import cuda_event_ms as gpu_ms  # noqa: E402
 
 
 def bias_gradients(iters):
@@ -57,7 +49,7 @@ def accumulation(iters):
     t_add = gpu_ms(lambda: torch._foreach_add_(acc, grads), iters)
     t_copy = gpu_ms(lambda: torch._foreach_copy_(acc, grads), iters)
     t_zero = gpu_ms(lambda: flat.zero_(), iters)
-    print(f"\n| fp16 parameters | _foreach_add_ ms | _foreach_copy_ ms | zero one flat buffer ms |")
+    print("\n| fp16 parameters | _foreach_add_ ms | _foreach_copy_ ms | zero one flat buffer ms |")
     print("|---:|---:|---:|---:|")
     print(f"| {sum(sizes) / 1e6:.1f}M | {t_add:.3f} | {t_copy:.3f} | {t_zero:.3f} |")
 

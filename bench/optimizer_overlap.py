@@ -10,9 +10,14 @@ ReLU and a LayerNorm. Prints the GPU time of each alone, one after the other, an
     python bench/optimizer_overlap.py
 """
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import cuda_event_ms  # noqa: E402
 
 
 def main():
@@ -58,20 +63,11 @@ def main():
         forward_like()
 
     def gpu_ms(fn):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / args.iters
+        return cuda_event_ms(fn, args.iters, warmup=2)
 
     t_adam, t_fwd = gpu_ms(adam), gpu_ms(forward_like)
     t_seq, t_both = gpu_ms(one_after_the_other), gpu_ms(side_by_side)
-    print(f"| parameters | Adam ms | forward-like ms | one after the other ms | side by side ms "
+    print("| parameters | Adam ms | forward-like ms | one after the other ms | side by side ms "
           f"| Adam hidden ms |")
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {sum(sizes) / 1e6:.1f}M | {t_adam:.3f} | {t_fwd:.3f} | {t_seq:.3f} | {t_both:.3f} "

@@ -147,29 +147,38 @@ def test_cuda_graphs_aliases_match_the_parameters(dictionary):
     assert runner._aliases is not aliases and runner._aliases[0].data_ptr() == p0.data_ptr()
 
 
+class _StandInBackward:
+    """A replayed backward graph's stand-in on CPU: ``step(flat)`` on every flat gradient buffer."""
+
+    def __init__(self, flats, step):
+        self.flats, self.step = flats, step
+
+    def replay(self):
+        for flat in self.flats:
+            self.step(flat)
+
+
+def _runner_with_stand_in(dictionary, step, overwrites):
+    """A criterion's graph runner set up on a tiny model, a stand-in shape's graphs (backward:
+    ``step`` on every flat buffer) and the flat buffers filled with stale values (5)."""
+    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
+                                                label_smoothing=0.1, ls_cuda_graphs=True)
+    runner = crit.graphs
+    runner._setup(build_model("ls_transformer", dictionary, TINY, seed=3))
+    graphs = SimpleNamespace(grad_output=torch.zeros(()),
+                             bwd=_StandInBackward(runner._flats, step), overwrites=overwrites)
+    for flat in runner._flats:
+        flat.fill_(5)  # stale values from an earlier update
+    return runner, graphs
+
+
 def test_cuda_graphs_replay_backward_bookkeeping(dictionary):
     """Where a replayed backward's gradients land, on CPU with a stand-in backward graph that adds
     1 to every accumulator: fairseq's zero_grad (all .grad None) gives fresh zeroed accumulators;
     a None .grad among others gets its zeroed accumulator; a .grad allocated elsewhere is added
     to; accumulators already in .grad keep accumulating (--update-freq)."""
-    class _AddOne:
-        def __init__(self, flats):
-            self.flats = flats
-
-        def replay(self):
-            for flat in self.flats:
-                flat.add_(1)
-
-    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
-                                                label_smoothing=0.1, ls_cuda_graphs=True)
-    model = build_model("ls_transformer", dictionary, TINY, seed=3)
-    runner = crit.graphs
-    runner._setup(model)
-    graphs = SimpleNamespace(grad_output=torch.zeros(()), bwd=_AddOne(runner._flats),
-                             overwrites=False)
+    runner, graphs = _runner_with_stand_in(dictionary, lambda flat: flat.add_(1), False)
     params = runner._params
-    for flat in runner._flats:
-        flat.fill_(5)  # stale values from an earlier update
     runner._replay_backward(graphs, torch.tensor(2.0))
     assert float(graphs.grad_output) == 2.0
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
@@ -191,25 +200,9 @@ def test_cuda_graphs_overwriting_backward_bookkeeping(dictionary):
     are not zeroed first, they are overwritten; at a later micro-batch of the update the earlier
     gradients are added back after the replay, and the runner switches to adding (the graphs
     that overwrite are dropped)."""
-    class _SetOne:
-        def __init__(self, flats):
-            self.flats = flats
-
-        def replay(self):
-            for flat in self.flats:
-                flat.fill_(1)
-
-    crit = LSLabelSmoothedCrossEntropyCriterion(DummyTask(dictionary), sentence_avg=False,
-                                                label_smoothing=0.1, ls_cuda_graphs=True)
-    model = build_model("ls_transformer", dictionary, TINY, seed=3)
-    runner = crit.graphs
-    runner._setup(model)
-    graphs = SimpleNamespace(grad_output=torch.zeros(()), bwd=_SetOne(runner._flats),
-                             overwrites=True)
+    runner, graphs = _runner_with_stand_in(dictionary, lambda flat: flat.fill_(1), True)
     runner._graphs["shape"] = graphs
     params = runner._params
-    for flat in runner._flats:
-        flat.fill_(5)  # stale values from an earlier update
     runner._replay_backward(graphs, torch.tensor(2.0))
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
     assert all(p.grad.data_ptr() == a.data_ptr() for p, a in zip(params, runner._accumulators))
