@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import cuda_event_ms  # noqa: E402
 
 from ls_fairseq.ops import _extension  # noqa: E402
 from ls_fairseq.ops._attention_cuda import attention_cuda, attention_cuda_packed  # noqa: E402
@@ -103,13 +105,7 @@ def timed(fn, iters, gpu=False):
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    wall = start.elapsed_time(end) / iters
+    wall = cuda_event_ms(fn, iters, warmup=0)
     return first, wall, (gpu_ms(fn, max(3, iters // 2)) if gpu else float("nan")), peak
 
 
