@@ -18,7 +18,8 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   first replay. A backward graph captured at an update's first micro-batch overwrites the
   accumulators (nothing to add to; the flat buffers need no zeroing); once an update of several
   micro-batches (``--update-freq``) is seen, the graphs that overwrite are dropped and new ones
-  add into the accumulators, as they always do under legacy DDP's bucketed all-reduce. Before the first capture, one more eager step on the capture stream
+  add into the accumulators, as they always do under legacy DDP's bucketed all-reduce. Before
+  the first capture, one more eager step on the capture stream
   (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
   later shapes capture without it (``bench/capture_cost.py``: a capture then costs 63 instead of
   105 ms for transformer big at ~6.7k tokens, against 54 ms for an eager step).
@@ -490,10 +491,10 @@ class CudaGraphedLoss:
         event is recorded, which each replay signals. Returns the events (or None).
 
         ``overwrite`` (captured at an update's first micro-batch, while no update of several
-        micro-batches has been seen, and not under legacy DDP): the gradients are copied into the accumulators and those
-        of parameters without a gradient zeroed, so the replay need not zero the flat buffers
-        first nor read them (one pass over the gradients instead of three: ~0.2 ms of an update
-        at 8192 tokens on the H100, docs/PERFORMANCE.md session 22)."""
+        micro-batches has been seen, and not under legacy DDP): the gradients are copied into
+        the accumulators and those of parameters without a gradient zeroed, so the replay need
+        not zero the flat buffers first nor read them (a copy instead of a zeroing pass and an
+        add: ~0.2 ms of an update at 8192 tokens on the H100, docs/PERFORMANCE.md session 22)."""
         buckets = self._buckets
         left = list(buckets.sizes)
         pairs = [[] for _ in left]

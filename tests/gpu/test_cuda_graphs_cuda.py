@@ -207,7 +207,8 @@ def test_overwriting_backward_graphs(dictionary, dtype):
     eager steps throughout (tolerances as above; dropout 0.2)."""
     eager, graphed, m1, m2 = _pair(dictionary, dtype, 0.2)
     for m in (m1, m2):  # a parameter the loss does not use: no gradient
-        m.register_parameter("unused", torch.nn.Parameter(torch.ones(5, device="cuda", dtype=dtype)))
+        m.register_parameter("unused",
+                             torch.nn.Parameter(torch.ones(5, device="cuda", dtype=dtype)))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     scale = 1.0 if dtype == torch.float32 else 128.0
     a, b = (4, 9, 7), (6, 5, 12)
