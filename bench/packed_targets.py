@@ -20,25 +20,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import wmt_like_lengths  # noqa: E402
-from fairseq.data import data_utils  # noqa: E402
+from shape_buckets import fairseq_batches  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ls_fairseq.criterions.shape_buckets import ShapeBuckets, bucket  # noqa: E402
-
-
-def epoch_batches(sentences, max_tokens, seed):
-    """fairseq's batches (index arrays) and the corpus's source/target lengths (with EOS)."""
-    src, tgt = wmt_like_lengths(np.random.default_rng(seed), sentences)
-    src, tgt = src + 1, tgt + 1
-    indices = np.random.default_rng(seed).permutation(sentences).astype(np.int64)
-    indices = indices[np.argsort(tgt[indices], kind="mergesort")]
-    indices = indices[np.argsort(src[indices], kind="mergesort")]
-    num_tokens = np.maximum(src, tgt)
-    out = data_utils.batch_by_size(indices, lambda i: num_tokens[i], max_tokens=max_tokens,
-                                   required_batch_size_multiple=8,
-                                   num_tokens_vec=num_tokens[indices])
-    return out, src, tgt
 
 
 def study(out, src, tgt, steps, slack, packed_grid, seed):
@@ -72,7 +57,7 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.sentences:
         for mt in args.max_tokens:
-            out, src, tgt = epoch_batches(n, mt, args.seed)
+            out, src, tgt = fairseq_batches(n, mt, args.seed)
             for grid in args.packed_grid:
                 pad, packed, keys, packed_keys = study(out, src, tgt, args.shape_buckets,
                                                        args.slack, grid, args.seed)

@@ -42,10 +42,9 @@ from ls_fairseq.criterions.graph_memory import MEMORY_CHOICES  # noqa: E402
 from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
 
 
-def batches(sentences, max_tokens, seed, target_fill=False):
-    """fairseq's batches of the corpus as (sentences, source length, target length) shapes; with
-    ``target_fill`` also the share of the batches' target positions that hold tokens (the rest
-    is the padding up to each batch's longest target)."""
+def fairseq_batches(sentences, max_tokens, seed):
+    """fairseq's batches (arrays of sentence indices) of the corpus, and its source and target
+    lengths (with end-of-sentence)."""
     src, tgt = wmt_like_lengths(np.random.default_rng(seed), sentences)
     src, tgt = src + 1, tgt + 1  # fairseq-preprocess appends end-of-sentence
     indices = np.random.default_rng(seed).permutation(sentences).astype(np.int64)
@@ -55,11 +54,23 @@ def batches(sentences, max_tokens, seed, target_fill=False):
     out = data_utils.batch_by_size(indices, lambda i: num_tokens[i], max_tokens=max_tokens,
                                    required_batch_size_multiple=8,
                                    num_tokens_vec=num_tokens[indices])
-    shapes = [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
-    if not target_fill:
-        return shapes
-    real = sum(int(tgt[b].sum()) for b in out)
-    return shapes, real / sum(rows * tgt_len for rows, _, tgt_len in shapes)
+    return out, src, tgt
+
+
+def batch_shapes(out, src, tgt):
+    """(sentences, source length, target length) of each batch."""
+    return [(len(b), int(src[b].max()), int(tgt[b].max())) for b in out]
+
+
+def batches(sentences, max_tokens, seed):
+    """fairseq's batches of the corpus as (sentences, source length, target length) shapes."""
+    return batch_shapes(*fairseq_batches(sentences, max_tokens, seed))
+
+
+def target_fill(out, tgt):
+    """The share of the batches' target positions that hold tokens (the rest is the padding up
+    to each batch's longest target)."""
+    return sum(int(tgt[b].sum()) for b in out) / sum(len(b) * int(tgt[b].max()) for b in out)
 
 
 def simulate(raw, buckets, epochs, max_graphs, seed, first_sighting, compact=True):
@@ -113,7 +124,8 @@ def main():
     print("|---:|---:|---:|---:|---|---|---:|---:|---|---|")
     for n in args.sentences:
         for mt in args.max_tokens:
-            raw, fill = batches(n, mt, args.seed, target_fill=True)
+            out, src, tgt = fairseq_batches(n, mt, args.seed)
+            raw, fill = batch_shapes(out, src, tgt), target_fill(out, tgt)
             for grid in args.grids:
                 steps, _, slack = grid.partition(":")
                 for capture in args.capture:
