@@ -383,14 +383,14 @@ class CudaGraphedLoss:
         """No gradient yet in this update (fairseq's zero_grad sets every ``.grad`` to None)."""
         return all(p.grad is None for p in self._params)
 
-    def _bind_accumulators(self, zero=True):
+    def _bind_accumulators(self, zero=True, fresh=None):
         """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
         then adds into it in place). Returns the (parameter, accumulator) pairs whose ``.grad``
         someone else allocated; those accumulators are zeroed too. ``zero=False``: at the start
         of an update the accumulators are left as they are (a backward graph that overwrites
-        them follows)."""
+        them follows). ``fresh``: ``_fresh()`` if the caller has it already."""
         foreign = []
-        if self._fresh():
+        if self._fresh() if fresh is None else fresh:
             if zero:
                 for flat in self._flats:
                     flat.zero_()
@@ -627,15 +627,15 @@ class CudaGraphedLoss:
     def _replay_backward(self, graphs, grad):
         self._pending = None
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
-        if graphs.overwrites and not self._fresh():
+        fresh = self._fresh()
+        foreign = self._bind_accumulators(zero=not graphs.overwrites, fresh=fresh)
+        if graphs.overwrites and not fresh:
             # a later micro-batch of an update: this graph would overwrite the earlier ones' sum
-            foreign = self._bind_accumulators()
             earlier = [flat.clone() for flat in self._flats]
             graphs.bwd.replay()
             torch._foreach_add_(self._flats, earlier)
             self._start_accumulating()
         else:
-            foreign = self._bind_accumulators(zero=not graphs.overwrites)
             graphs.bwd.replay()
         for p, acc in foreign:
             p.grad.add_(acc)
