@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Is the steady-state update waiting for the host or for the GPU? (H100 figures in
+docs/PERFORMANCE.md, session 23.)
+
+Runs real fairseq-train (``bench/e2e.py``'s corpus, command and wrapper) and times, without a
+profiler, every update of the run's second half (its last epoch, at the default two) on the host
+clock:
+
+* period: from one ``Trainer.train_step`` call to the next (the update's wall time);
+* train_step: inside ``Trainer.train_step`` (with no host synchronisation in the update, this is
+  the host's own work plus whatever it waits for inside: a read of a value the GPU has not
+  produced yet, a full launch queue);
+* data wait: in fairseq's ``BufferedIterator.__next__`` (the data loader not keeping up);
+* log reads: in fairseq's ``safe_round`` (its log-interval reads of CUDA meters, each waiting for
+  all the GPU work queued);
+* other: the rest of the training loop.
+
+Each ``--sleep-ms`` value adds that much host time to every update (a ``time.sleep`` after
+``train_step``). If the period does not grow, the host had at least that much slack per update:
+the update is GPU-bound, and shortening the host's work would not speed it up.
+
+    python bench/host_slack.py --max-tokens 8192 --sleep-ms 0 4
+"""
+import argparse
+import ast
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e  # noqa: E402
+
+# Prepended to e2e.WRAPPER (which then runs fairseq-train in the same interpreter).
+PROBE = r"""
+import os, time, atexit
+from fairseq import trainer as _trainer
+from fairseq.data import iterators as _iterators
+from fairseq.logging import meters as _meters
+_sleep = float(os.environ["HOST_SLACK_SLEEP_MS"]) / 1e3
+_records, _waits = [], {"data": 0.0, "log": 0.0}
+def _timed(fn, bucket):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _waits[bucket] += time.perf_counter() - t
+    return wrapper
+_iterators.BufferedIterator.__next__ = _timed(_iterators.BufferedIterator.__next__, "data")
+_meters.safe_round = _timed(_meters.safe_round, "log")
+_train_step = _trainer.Trainer.train_step
+def _probed_train_step(self, *a, **k):
+    start = time.perf_counter()
+    out = _train_step(self, *a, **k)
+    if _sleep:
+        time.sleep(_sleep)
+    _records.append((start, time.perf_counter(), _waits["data"], _waits["log"]))
+    _waits["data"] = _waits["log"] = 0.0
+    return out
+_trainer.Trainer.train_step = _probed_train_step
+atexit.register(lambda: print("HOST_SLACK_RECORDS", repr(_records), flush=True))
+"""
+
+
+def summarize(records, skip_fraction=0.5):
+    """Mean ms per update of (period, train_step, data wait, log reads, other) over the updates
+    after the first ``skip_fraction`` of ``records`` ((start, end, data wait, log reads) per
+    ``train_step``, host seconds; the waits are those between the previous update and this one),
+    leaving out the last update (no next start to time its period to). None if fewer than 10."""
+    r = records[int(len(records) * skip_fraction):]
+    if len(r) < 11:
+        return None
+    n = len(r) - 1
+    period = sum(r[i + 1][0] - r[i][0] for i in range(n)) / n
+    step = sum(r[i][1] - r[i][0] for i in range(n)) / n
+    data = sum(r[i + 1][2] for i in range(n)) / n
+    log = sum(r[i + 1][3] for i in range(n)) / n
+    return {"updates": n, "period": 1e3 * period, "train_step": 1e3 * step,
+            "data_wait": 1e3 * data, "log_reads": 1e3 * log,
+            "other": 1e3 * (period - step - data - log)}
+
+
+def parse_records(text):
+    found = [line for line in text.splitlines() if line.startswith("HOST_SLACK_RECORDS ")]
+    return ast.literal_eval(found[-1][len("HOST_SLACK_RECORDS "):]) if found else []
+
+
+def markdown(rows):
+    lines = ["| sleep ms | updates | period ms | train_step ms | data wait | log reads | other | "
+             "steady wps (intervals) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for sleep, s, wps in rows:
+        if s is None:
+            lines.append(f"| {sleep:g} | – | – | – | – | – | – | – |")
+            continue
+        lines.append(f"| {sleep:g} | {s['updates']} | {s['period']:.2f} | {s['train_step']:.2f} | "
+                     f"{s['data_wait']:.2f} | {s['log_reads']:.2f} | {s['other']:.2f} | "
+                     f"{e2e.fmt(wps, ',.0f')} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", default="ls_deferred", choices=sorted(e2e.VARIANTS))
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--sleep-ms", type=float, nargs="+", default=[0.0, 4.0])
+    ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
+    ap.add_argument("--sentences", type=int, default=40000)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("extra", nargs="*", help="extra fairseq-train flags (after --)")
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.workdir, "train.en")):
+        e2e.make_corpus(args.workdir, args.sentences, 32000)
+    data = e2e.preprocess(args.workdir, args.workers)
+    variant = e2e.VARIANTS[args.variant]
+    rows = []
+    for sleep in args.sleep_ms:
+        cmd = e2e.train_cmd(data, args.variant, args.max_tokens, args.epochs, 1, args.extra)
+        cmd[2] = PROBE + e2e.WRAPPER
+        env = dict(os.environ, HOST_SLACK_SLEEP_MS=str(sleep), **variant.get("env", {}))
+        if not variant.get("cudnn_sdpa", True):
+            env["BENCH_CUDNN_SDPA"] = "0"
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            print(log[-3000:], file=sys.stderr)
+        inner, _, _, _ = e2e.parse_log(log)
+        wps = e2e.interval_wps(inner, args.epochs, e2e.interval_ends(log))
+        rows.append((sleep, summarize(parse_records(log)), wps))
+        print(f"sleep {sleep:g} ms: {rows[-1][1]}", flush=True)
+    print(f"\n{args.variant}, --max-tokens {args.max_tokens}, the run's second half, ms per "
+          "update (host clock):\n")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
