@@ -235,10 +235,10 @@ def gemm_tflops():
     return float(found[-1]) if found else None
 
 
-def train_cmd(data, variant, max_tokens, epochs, seed, extra):
+def train_cmd(data, variant, max_tokens, epochs, seed, extra, wrapper=WRAPPER):
     v = VARIANTS[variant]
     cmd = [
-        sys.executable, "-c", WRAPPER, data, "--arch", v["arch"], "--share-all-embeddings",
+        sys.executable, "-c", wrapper, data, "--arch", v["arch"], "--share-all-embeddings",
         "--optimizer", v["optimizer"], "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
         "--lr", "7e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
         "--warmup-init-lr", "1e-07", "--dropout", "0.3", "--weight-decay", "0.0",
@@ -339,12 +339,18 @@ def run_failure(returncode, log):
     return None
 
 
-def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
+def train_env(variant):
+    """The environment of a variant's fairseq-train run (train_cmd's wrapper reads it)."""
     env = dict(os.environ, BENCH_CUDNN_SDPA="1" if VARIANTS[variant]["cudnn_sdpa"] else "0",
                BENCH_HERE=HERE, PYTHONUNBUFFERED="1")
     if variant.startswith("ls"):
         env.setdefault("LS_FAIRSEQ_KERNELS", "require")
     env.update(VARIANTS[variant].get("env", {}))
+    return env
+
+
+def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
+    env = train_env(variant)
     if profile_at is not None:
         env.update(BENCH_PROFILE_AT=str(profile_at),
                    BENCH_PROFILE_OUT=os.path.join(log_dir, f"profile_{variant}_{max_tokens}.json"))

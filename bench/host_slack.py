@@ -112,14 +112,11 @@ def main():
     if not os.path.exists(os.path.join(args.workdir, "train.en")):
         e2e.make_corpus(args.workdir, args.sentences, 32000)
     data = e2e.preprocess(args.workdir, args.workers)
-    variant = e2e.VARIANTS[args.variant]
+    cmd = e2e.train_cmd(data, args.variant, args.max_tokens, args.epochs, 1, args.extra,
+                        wrapper=PROBE + e2e.WRAPPER)
     rows = []
     for sleep in args.sleep_ms:
-        cmd = e2e.train_cmd(data, args.variant, args.max_tokens, args.epochs, 1, args.extra)
-        cmd[2] = PROBE + e2e.WRAPPER
-        env = dict(os.environ, HOST_SLACK_SLEEP_MS=str(sleep), **variant.get("env", {}))
-        if not variant.get("cudnn_sdpa", True):
-            env["BENCH_CUDNN_SDPA"] = "0"
+        env = dict(e2e.train_env(args.variant), HOST_SLACK_SLEEP_MS=str(sleep))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
