@@ -311,7 +311,7 @@ class CudaGraphedLoss:
         same calls whether its step replayed or not."""
         self.stats["eager"] += 1
         self._eager_ran()
-        self._bind_accumulators()
+        self._bind_accumulators(self._fresh())
         out = compute(model, sample)
         self.policy.ran(*key)
         if not sync_ddp:
@@ -383,14 +383,14 @@ class CudaGraphedLoss:
         """No gradient yet in this update (fairseq's zero_grad sets every ``.grad`` to None)."""
         return all(p.grad is None for p in self._params)
 
-    def _bind_accumulators(self, zero=True, fresh=None):
+    def _bind_accumulators(self, fresh, zero=True):
         """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
         then adds into it in place). Returns the (parameter, accumulator) pairs whose ``.grad``
-        someone else allocated; those accumulators are zeroed too. ``zero=False``: at the start
-        of an update the accumulators are left as they are (a backward graph that overwrites
-        them follows). ``fresh``: ``_fresh()`` if the caller has it already."""
+        someone else allocated; those accumulators are zeroed too. ``fresh``: ``_fresh()``, the
+        start of an update. ``zero=False``: at the start of an update the accumulators are left
+        as they are (a backward graph that overwrites them follows)."""
         foreign = []
-        if self._fresh() if fresh is None else fresh:
+        if fresh:
             if zero:
                 for flat in self._flats:
                     flat.zero_()
@@ -628,7 +628,7 @@ class CudaGraphedLoss:
         self._pending = None
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
         fresh = self._fresh()
-        foreign = self._bind_accumulators(zero=not graphs.overwrites, fresh=fresh)
+        foreign = self._bind_accumulators(fresh, zero=not graphs.overwrites)
         if graphs.overwrites and not fresh:
             # a later micro-batch of an update: this graph would overwrite the earlier ones' sum
             earlier = [flat.clone() for flat in self._flats]
