@@ -46,12 +46,7 @@ def kernels():
 def unpack(mask, features):
     """uint8 [rows, ld / 8] -> bool [rows, features]: bit f % 8 of byte f / 8."""
     bits = (mask.unsqueeze(-1) >> torch.arange(8, device=mask.device, dtype=torch.uint8)) & 1
-    return bits.reshape(mask.size(0), mask.size(1) * 8)[:, :features].bool()
-
-
-def node(y):
-    """The autograd node's name (C++ functions: their struct's name)."""
-    return y.grad_fn.name() if y.grad_fn is not None else ""
+    return bits.reshape(mask.size(0), -1)[:, :features].bool()
 
 
 def small_ints(*shape, dtype, lo=-2, hi=2):
@@ -137,7 +132,7 @@ def test_linear_matches_f_linear(lead, in_f, out_f, dtype):
     w = (torch.randn(out_f, in_f, device="cuda", dtype=dtype) / in_f ** 0.5).requires_grad_()
     b = torch.randn(out_f, device="cuda", dtype=dtype, requires_grad=True)
     y = linear(x, w, b)
-    assert "LinearBgrad" in node(y), node(y)
+    assert y.grad_fn is not None and "LinearBgrad" in type(y.grad_fn).__name__, type(y.grad_fn)
     y_ref = F.linear(x, w, b)
     assert torch.equal(y, y_ref)
     g = torch.randn_like(y)
@@ -165,7 +160,7 @@ def test_relu_dropout_linear_matches_unfused(lead, features, out_f, p, training,
     w = (torch.randn(out_f, features, device="cuda", dtype=dtype) / features ** 0.5).requires_grad_()
     torch.manual_seed(11)
     y = relu_dropout_linear(x, b, w, p, training)
-    assert "ReluDropoutLinear" in node(y), node(y)
+    assert "ReluDropoutLinear" in type(y.grad_fn).__name__, type(y.grad_fn)
     torch.manual_seed(11)
     h = bias_act_dropout(x, b, "relu", p, training)
     y_ref = F.linear(h, w)
@@ -189,19 +184,19 @@ def test_no_grad_and_fallbacks_take_the_plain_path(monkeypatch):
     w = torch.randn(32, 64, device="cuda", dtype=torch.float16)
     b = torch.randn(32, device="cuda", dtype=torch.float16)
     xg = x.clone().requires_grad_()
-    assert "LinearBgrad" in node(linear(xg, w, b))
+    assert "LinearBgrad" in type(linear(xg, w, b).grad_fn).__name__
     with torch.no_grad():
         assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     monkeypatch.setenv("LS_FAIRSEQ_GEMM_EPILOGUES", "off")
-    assert "LinearBgrad" not in node(linear(xg, w, b))
-    assert "ReluDropoutLinear" not in node(relu_dropout_linear(xg, None, w, 0.1, True))
+    assert "LinearBgrad" not in type(linear(xg, w, b).grad_fn).__name__
+    assert "ReluDropoutLinear" not in type(relu_dropout_linear(xg, None, w, 0.1, True).grad_fn).__name__
     monkeypatch.setenv("LS_FAIRSEQ_GEMM_EPILOGUES", "on")
     x32 = xg.float().detach().requires_grad_()
-    assert "LinearBgrad" not in node(linear(x32, w.float(), b.float()))
+    assert "LinearBgrad" not in type(linear(x32, w.float(), b.float()).grad_fn).__name__
     odd = torch.randn(3, 12, device="cuda", dtype=torch.float16, requires_grad=True)
     w_odd = torch.randn(20, 12, device="cuda", dtype=torch.float16)
-    assert "LinearBgrad" not in node(linear(odd, w_odd, torch.randn(20, device="cuda",
-                                                                   dtype=torch.float16)))
+    assert "LinearBgrad" not in type(linear(odd, w_odd, torch.randn(20, device="cuda",
+                                                                  dtype=torch.float16)).grad_fn).__name__
 
 
 def test_opcheck():
