@@ -114,9 +114,6 @@ VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred"
 VARIANTS["ls_deferred_short"] = dict(VARIANTS["ls_deferred"], env={"LS_FAIRSEQ_ATTENTION": "short"})
 VARIANTS["ls_deferred_efficient"] = dict(VARIANTS["ls_deferred"],
                                          env={"LS_FAIRSEQ_ATTENTION": "efficient"})
-# the recommended flags without the cuBLASLt-epilogue GEMMs (LS_FAIRSEQ_GEMM_EPILOGUES), for A/B runs
-VARIANTS["ls_deferred_noepilogues"] = dict(VARIANTS["ls_deferred"],
-                                           env={"LS_FAIRSEQ_GEMM_EPILOGUES": "off"})
 
 
 def wmt_like_lengths(rng, n):

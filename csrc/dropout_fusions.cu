@@ -3,8 +3,6 @@
 //   bias_dropout_residual:  out = residual + dropout(x + bias)
 //   bias_act_dropout:       out = dropout(act(x + bias)),  act = relu | gelu (exact erf, as fairseq)
 //   relu_dropout_bwd:       the relu case's backward from `out` alone (see the kernel)
-//   relu_dropout_mask_fwd:  the relu case's forward plus a bit-mask of out > 0, the input of
-//                           cuBLASLt's DRELU epilogue (ops/relu_dropout_linear.py)
 //
 // Layout: x, residual, out are [rows, C] (any leading shape, contiguous); bias is [C].
 // Storage float32/float16/bfloat16, math in float32.
@@ -237,17 +235,12 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
 }
 
 // ================================================================ bias + activation + dropout
-// BITS (relu only, W == 8): also write the mask of the elements that pass the gradient (out > 0,
-// or NaN) as one byte per chunk, bit i = column col0 + i of the row, rows `bits_ld` bytes apart:
-// the ReLU bit-mask layout of cuBLASLt's DRELU epilogue (csrc/gemm_epilogues.cpp).
-template <typename T, int VEC, int ACT, bool BITS = false>
+template <typename T, int VEC, int ACT>
 __global__ void __launch_bounds__(kLanes* kRowThreads)
     bad_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ out,
                    int64_t rows, int64_t C, DropoutArgs drop, at::PhiloxCudaState philox,
-                   int64_t* __restrict__ rng_out, uint8_t* __restrict__ bits,
-                   int64_t bits_ld) {
+                   int64_t* __restrict__ rng_out) {
   constexpr int W = Chunk<VEC>::W;
-  static_assert(!BITS || (W == 8 && ACT == kRelu), "the bit-mask takes relu, 8 columns a thread");
   uint64_t seed, offset;
   unpack_seed(philox, drop.enabled, seed, offset);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
@@ -278,13 +271,6 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
       for (int i = 0; i < W; ++i) v[i] = keep[i] ? v[i] * drop.scale : 0.f;
     }
     store_chunk<T, VEC>(out + row * C, col0, C, v);
-    if constexpr (BITS) {
-      // from the stored value, so the mask is exactly relu_dropout_bwd's test (NaN passes)
-      uint32_t byte = 0;
-#pragma unroll
-      for (int i = 0; i < W; ++i) byte |= (to_float(from_float<T>(v[i])) <= 0.f ? 0u : 1u) << i;
-      bits[row * bits_ld + col0 / 8] = static_cast<uint8_t>(byte);
-    }
   }
 }
 
@@ -511,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_fwd(const at::Tensor& x_in,
     auto launch = [&](auto kernel, int W) {
       const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, (g.C + W - 1) / W, dev);
       kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(xp, bp, op, g.rows, g.C, drop, philox,
-                                                             rng.data_ptr<int64_t>(), nullptr, 0);
+                                                             rng.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     constexpr int V = 16 / sizeof(T);
@@ -525,57 +511,6 @@ std::tuple<at::Tensor, at::Tensor> bias_act_dropout_fwd(const at::Tensor& x_in,
     }
   });
   return {out, rng};
-}
-
-// out = dropout(relu(x + bias)) and the bit-mask of out > 0 ([rows, bits_ld] uint8, bits_ld =
-// ceil(C / 128) * 16 bytes: cuBLASLt's ReLU bit-mask with a leading dimension of ceil(C / 128) *
-// 128 bits, the padding bits unset). fp16/bf16 with C % 8 == 0 and 16-byte aligned rows only: one
-// thread writes the byte of its 8 columns (ops/relu_dropout_linear.py checks before calling).
-std::tuple<at::Tensor, at::Tensor> relu_dropout_mask_fwd(const at::Tensor& x_in,
-                                                         const std::optional<at::Tensor>& bias_in,
-                                                         double p, bool train) {
-  const char* name = "ls_fairseq relu_dropout_mask_fwd";
-  const auto g = geometry(x_in, name);
-  check_bias(bias_in, x_in, g.C, name);
-  LSF_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, name,
-            ": expected float16 or bfloat16, got ", x_in.scalar_type());
-  LSF_CHECK(g.C % 8 == 0, name, ": the hidden size must be a multiple of 8, got ", g.C);
-  c10::cuda::CUDAGuard guard(x_in.device());
-  const auto x = x_in.contiguous();
-  std::optional<at::Tensor> bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
-  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const int64_t bits_ld = (g.C + 127) / 128 * 16;
-  // zeroed only when C leaves padding bits in a row (never read by cuBLASLt, kept deterministic)
-  auto mask = g.C % 128 == 0 ? at::empty({g.rows, bits_ld}, x.options().dtype(at::kByte))
-                             : at::zeros({g.rows, bits_ld}, x.options().dtype(at::kByte));
-  if (g.rows == 0) return {out, mask};
-  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
-  at::PhiloxCudaState philox;
-  if (drop.enabled) philox = next_philox(x);
-  auto rng = at::empty({2}, x.options().dtype(at::kLong));
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const int dev = x.get_device();
-  auto launch = [&](auto* typed) {
-    using T = std::remove_pointer_t<decltype(typed)>;
-    constexpr int V = 8;
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
-    T* op = reinterpret_cast<T*>(out.data_ptr());
-    LSF_CHECK(use_vec<T>(g.C, {xp, bp, op}), name, ": x and bias must be 16-byte aligned");
-    auto kernel = bad_fwd_kernel<T, V, kRelu, true>;
-    const dim3 grid = grid_for<kLanes, kRowThreads>(kernel, g.rows, g.C / V, dev);
-    kernel<<<grid, dim3(kLanes, kRowThreads), 0, stream>>>(xp, bp, op, g.rows, g.C, drop, philox,
-                                                           rng.data_ptr<int64_t>(),
-                                                           mask.data_ptr<uint8_t>(), bits_ld);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (x.scalar_type() == at::kHalf) {
-    launch(static_cast<__half*>(nullptr));
-  } else {
-    launch(static_cast<__nv_bfloat16*>(nullptr));
-  }
-  return {out, mask};
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_act_dropout_bwd(const at::Tensor& grad_in,
@@ -680,8 +615,6 @@ TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
         "float p, bool train, bool bias_grad) -> (Tensor, Tensor)");
   m.def("relu_dropout_bwd(Tensor grad, Tensor out, float p, bool train, bool bias_grad) "
         "-> (Tensor, Tensor)");
-  m.def("relu_dropout_mask_fwd(Tensor x, Tensor? bias, float p, bool train) -> (Tensor, Tensor)",
-        {at::Tag::nondeterministic_seeded});
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
@@ -690,5 +623,4 @@ TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
   m.impl("bias_act_dropout_fwd", &bias_act_dropout_fwd);
   m.impl("bias_act_dropout_bwd", &bias_act_dropout_bwd);
   m.impl("relu_dropout_bwd", &relu_dropout_bwd);
-  m.impl("relu_dropout_mask_fwd", &relu_dropout_mask_fwd);
 }

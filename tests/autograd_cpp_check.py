@@ -1,6 +1,5 @@
 """Run by tests/test_autograd_cpp.py in a fresh process: the C++ autograd of the fused elementwise ops
-and of the GEMM-epilogue ops (csrc/*_autograd.cpp) on the CPU, against PyTorch's own autograd of
-the same math.
+(csrc/*_autograd.cpp) on the CPU, against PyTorch's own autograd of the same math.
 
 The CUDA kernels are not available here, so the ops' schemas are read from csrc/ (the
 ``m.def`` strings) and given CPU stand-in kernels (the reference math; dropout masks drawn from a
@@ -8,8 +7,7 @@ seed that the forward returns as its "rng", so backward regenerates them). The a
 are compiled as a CPU extension and registered over those ops. What is checked: every gradient
 (with and without weight/bias, inputs that do or do not require grad, dropout on/off, train/eval,
 relu/gelu, invertible LayerNorm), the non-differentiable outputs, and the weight_grad/bias_grad
-flags the backward asks the kernels for (no gradient computed that autograd does not need). The
-GEMM-epilogue stand-ins pack and unpack the real ReLU bit-mask layout (csrc/gemm_epilogues.cpp).
+flags the backward asks the kernels for (no gradient computed that autograd does not need).
 
     python tests/autograd_cpp_check.py <build dir>
 """
@@ -24,7 +22,7 @@ from torch.utils import cpp_extension
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 lib = torch.library.Library("ls_fairseq", "FRAGMENT")
-for name in ("layer_norm.cu", "dropout_fusions.cu", "gemm_epilogues.cpp"):
+for name in ("layer_norm.cu", "dropout_fusions.cu"):
     with open(os.path.join(CSRC, name)) as f:
         for m in re.finditer(r'm\.def\(((?:\s*"[^"]*")+)', f.read()):
             lib.define("".join(re.findall(r'"([^"]*)"', m.group(1))))
@@ -71,31 +69,9 @@ def bad_bwd(g, x, b, rng, act, p, train, bg):
 def relu_bwd(g, out, p, train, bg):
     CALLS.append(("relu_bwd", bg)); gx = g * (out > 0) * ((1 / (1 - p)) if (train and p > 0) else 1)
     return gx, (gx.reshape(-1, g.size(-1)).sum(0) if bg else g.new_empty(0))
-def pack_bits(keep):  # bool [rows, F] -> uint8 [rows, ceil(F / 128) * 16], bit f % 8 of byte f / 8
-    rows, f = keep.shape; ld = (f + 127) // 128 * 128
-    full = torch.zeros(rows, ld, dtype=torch.int64); full[:, :f] = keep.long()
-    return (full.view(rows, ld // 8, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
-def unpack_bits(bits, f):
-    return ((bits.long().unsqueeze(-1) >> torch.arange(8)) & 1).reshape(bits.size(0), -1)[:, :f].bool()
-def rd_mask_fwd(x, b, p, train):
-    CALLS.append("rd_mask_fwd"); h, _ = bad_fwd(x, b, "relu", p, train)
-    return h, pack_bits(h.reshape(-1, h.size(-1)) > 0)
-def rd_linear(x, b, w, p, train):
-    h, bits = rd_mask_fwd(x, b, p, train); return F.linear(h, w), h, bits
-def rd_dgrad(g, w, bits, scale):
-    CALLS.append(("rd_dgrad", scale)); g2 = g.reshape(-1, g.size(-1))
-    gx = (g2 @ w) * unpack_bits(bits, w.size(1)) * scale
-    return gx.reshape(*g.shape[:-1], w.size(1)), gx.sum(0)
-def lin_bgrad(x, w, b): return F.linear(x, w, b)
-def wgrad_bgrad(g, x):
-    CALLS.append("wgrad_bgrad"); g2 = g.reshape(-1, g.size(-1)); return g2.t() @ x.reshape(-1, x.size(-1)), g2.sum(0)
-for name, fn in [("relu_dropout_mask_fwd", rd_mask_fwd), ("relu_dropout_linear", rd_linear),
-                 ("relu_dropout_dgrad", rd_dgrad), ("linear_bgrad", lin_bgrad),
-                 ("linear_wgrad_bgrad", wgrad_bgrad)]:
-    lib.impl(name, fn, "CPU")
 for name, fn in [("layer_norm_fwd", ln_fwd), ("layer_norm_bwd", ln_bwd), ("bias_dropout_residual_fwd", bdr_fwd), ("bias_dropout_residual_bwd", bdr_bwd), ("bias_act_dropout_fwd", bad_fwd), ("bias_act_dropout_bwd", bad_bwd), ("relu_dropout_bwd", relu_bwd)]:
     lib.impl(name, fn, "CPU")
-cpp_extension.load(name="ls_fairseq_autograd_check", sources=[os.path.join(CSRC, f) for f in ("layer_norm_autograd.cpp", "dropout_fusions_autograd.cpp", "gemm_epilogues_autograd.cpp")], build_directory=sys.argv[1], is_python_module=False, verbose=False)
+cpp_extension.load(name="ls_fairseq_autograd_check", sources=[os.path.join(CSRC, "layer_norm_autograd.cpp"), os.path.join(CSRC, "dropout_fusions_autograd.cpp")], build_directory=sys.argv[1], is_python_module=False, verbose=False)
 ops = torch.ops.ls_fairseq
 torch.manual_seed(0)
 def leaf(*s): return torch.randn(*s, dtype=torch.double).requires_grad_()
@@ -140,27 +116,4 @@ for act, has_b, p, train in itertools.product(["relu", "gelu"], [True, False], [
 x = torch.randn(4, 6, dtype=torch.double); b = leaf(6)
 out, _ = ops.bias_act_dropout_fwd(x, b, "gelu", 0.0, True); (gb,) = torch.autograd.grad(out.sum(), [b])
 check(gb, torch.autograd.grad(F.gelu(x + b).sum(), [b])[0], "bias only")
-# linear with the bias gradient from the weight-gradient GEMM: any subset of x, w, b requiring grad
-for x_req, w_req, b_req in itertools.product([True, False], repeat=3):
-    if not (x_req or w_req or b_req): continue
-    x = leaf(2, 3, 8).requires_grad_(x_req); w = leaf(5, 8).requires_grad_(w_req); b = leaf(5).requires_grad_(b_req)
-    g = torch.randn(2, 3, 5, dtype=torch.double); ins = [t for t in (x, w, b) if t.requires_grad]
-    CALLS.clear(); y = ops.linear_bgrad(x, w, b)
-    for a, e in zip(torch.autograd.grad(y, ins, g), torch.autograd.grad(F.linear(x, w, b), ins, g)): check(a, e, ("linear", x_req, w_req, b_req))
-    assert CALLS == (["wgrad_bgrad"] if (w_req or b_req) else []), CALLS
-# relu + dropout + linear: bias present or not, any subset requiring grad; the scale 1 / (1 - p) in fp32
-for has_b, p, train, x_req, w_req in itertools.product([True, False], [0.0, 0.3], [True, False], [True, False], [True, False]):
-    x = leaf(2, 3, 136).requires_grad_(x_req); b = leaf(136) if has_b else None; w = leaf(8, 136).requires_grad_(w_req)
-    ins = [t for t in (x, b, w) if t is not None and t.requires_grad]
-    if not ins: continue
-    g = torch.randn(2, 3, 8, dtype=torch.double)
-    CALLS.clear(); y, h, bits = ops.relu_dropout_linear(x, b, w, p, train)
-    assert not h.requires_grad and not bits.requires_grad and bits.shape == (6, 32)
-    scale = 1 / (1 - p) if (train and p > 0) else 1.0
-    ref = F.linear(F.relu(x + (b if b is not None else 0)) * (h > 0) * scale, w)  # h: the stand-in's mask
-    for a, e in zip(torch.autograd.grad(y, ins, g), torch.autograd.grad(ref, ins, g)):
-        assert torch.allclose(a, e, rtol=1e-6, atol=1e-9), ("relu_dropout_linear", has_b, p, train, x_req, w_req)
-    dgrads = [c for c in CALLS if isinstance(c, tuple) and c[0] == "rd_dgrad"]
-    assert len(dgrads) == (1 if (x_req or has_b) else 0), CALLS
-    if dgrads: assert dgrads[0][1] == float(torch.tensor(scale, dtype=torch.float32)), dgrads
 print("all C++ autograd checks passed")

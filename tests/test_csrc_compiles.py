@@ -15,10 +15,8 @@ A CPU-only torch wheel ships the ATen/c10 CUDA headers but not ``c10/cuda/impl/c
 (generated at torch's build) nor the CUDA math libraries' headers that ``ATen/cuda/CUDAContext.h``
 and ``ATen/cuda/Exceptions.h`` include (cuBLAS, cuSPARSE, cuSOLVER). When, and only when, one of
 those is missing, a stand-in is generated that declares only their opaque handle and status types:
-enough for torch's headers, not for code that calls those libraries itself, which then fails here.
-One file calls cuBLASLt itself (``gemm_epilogues.cpp``); for it the real ``cublasLt.h`` must be
-present, from the toolkit or from the ``nvidia-cublas`` wheel (its ``nvidia/cu*/include``), which
-``.ci/run`` installs (headers only are used; the wheel's libraries are never loaded on the CPU).
+enough for torch's headers, not for code that calls those libraries itself, which then fails here
+(GEMMs go through torch; a kernel file should not call cuBLAS directly).
 """
 import inspect
 import os
@@ -89,19 +87,6 @@ CUDA_HOME = _cuda_home()
 NVCC = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
 
 
-def _pip_cuda_includes():
-    """Header folders of NVIDIA's pip wheels (``nvidia/cu13/include``, ``nvidia/cublas/include``)."""
-    try:
-        import nvidia  # namespace package of the nvidia-* wheels
-    except ImportError:
-        return []
-    found = []
-    for root in list(getattr(nvidia, "__path__", [])):
-        found += sorted(p for p in (os.path.join(root, d, "include") for d in os.listdir(root))
-                        if os.path.exists(os.path.join(p, "cublasLt.h")))
-    return found
-
-
 def _system_includes():
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
     paths = [torch_include, os.path.join(torch_include, "torch", "csrc", "api", "include")]
@@ -119,7 +104,7 @@ def _system_includes():
 def standin_dir(tmp_path_factory):
     """A folder with stand-ins for the headers missing from this machine (see module doc)."""
     root = tmp_path_factory.mktemp("standin_headers")
-    present = _system_includes() + _pip_cuda_includes()
+    present = _system_includes()
     made = []
     for header, text in _STANDINS.items():
         if any(os.path.exists(os.path.join(d, header)) for d in present):
@@ -186,8 +171,7 @@ def _command(source, output, standin):
     """A shell command line (the flags are shell-quoted, as in build.ninja)."""
     flags = _jit_flags() or _manual_flags()
     cxx_flags, cuda_flags = flags
-    extra = [f"-isystem {shlex.quote(p)}" for p in _pip_cuda_includes()]
-    extra += [f"-isystem {shlex.quote(standin)}"]  # stand-ins last: real headers win
+    extra = [f"-isystem {shlex.quote(standin)}"]  # stand-ins last: real headers win
     if source.endswith(".cu"):
         parts = [shlex.quote(NVCC)] + cuda_flags + extra
     else:  # .cpp: the JIT build hands it to the host compiler

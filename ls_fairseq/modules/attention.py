@@ -84,7 +84,7 @@ class SelfAttention(_Attention):
         """x [B, T, C] -> (out_proj(ctx) without bias [B, T, C], probs [B, H, T, S] or None)."""
         bsz, tgt_len, _ = x.shape
         weight, bias = self.qkv_weight_and_bias()
-        qkv = ops.linear(x, weight, bias).view(bsz, tgt_len, 3, self.num_heads, self.head_dim)
+        qkv = F.linear(x, weight, bias).view(bsz, tgt_len, 3, self.num_heads, self.head_dim)
         if incremental_state is None and not need_weights:  # training: one packed op
             ctx = ops.attention_packed(qkv, key_padding_mask, causal=causal,
                                        dropout_p=self.dropout, training=self.training)
@@ -139,7 +139,7 @@ class CrossAttention(_Attention):
                 need_weights: bool = False):
         """x [B, T, C], k/v [B, H, S, D] -> (out_proj(ctx) without bias, probs or None)."""
         bsz, tgt_len, _ = x.shape
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias)
+        q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
         q = q.view(bsz, tgt_len, self.num_heads, self.head_dim).transpose(1, 2)
         ctx, probs = ops.attention(
             q, k, v, key_padding_mask, causal=False, dropout_p=self.dropout,

@@ -16,17 +16,11 @@ def sublayer_input(x, norm, normalize_before: bool):
 
 
 def feed_forward(layer, x, residual):
-    """``residual + dropout(fc2(dropout(act(fc1(x)))))`` with both bias epilogues fused (relu: fc1's
-    activation backward and bias gradient inside fc2's input-gradient GEMM)."""
-    pre = F.linear(x, layer.fc1.weight)
-    if layer.activation_fn == "relu":
-        y = ops.relu_dropout_linear(pre, layer.fc1.bias, layer.fc2.weight,
-                                    layer.activation_dropout, layer.training)
-    else:
-        h = ops.bias_act_dropout(pre, layer.fc1.bias, layer.activation_fn,
-                                 layer.activation_dropout, layer.training)
-        y = F.linear(h, layer.fc2.weight)
-    return ops.bias_dropout_residual(y, layer.fc2.bias, residual, layer.dropout, layer.training)
+    """``residual + dropout(fc2(dropout(act(fc1(x)))))`` with both bias epilogues fused."""
+    h = ops.bias_act_dropout(F.linear(x, layer.fc1.weight), layer.fc1.bias, layer.activation_fn,
+                             layer.activation_dropout, layer.training)
+    return ops.bias_dropout_residual(F.linear(h, layer.fc2.weight), layer.fc2.bias, residual,
+                                     layer.dropout, layer.training)
 
 
 class TransformerEncoderLayer(nn.Module):

@@ -15,14 +15,12 @@ from .cross_entropy import (
     label_smoothed_cross_entropy_rows_reference,
 )
 from .embedding import transformer_embedding, transformer_embedding_reference
-from .linear import linear, linear_reference
 from .layer_norm import (
     layer_norm,
     layer_norm_reference,
     layer_norm_residual,
     layer_norm_residual_reference,
 )
-from .relu_dropout_linear import relu_dropout_linear, relu_dropout_linear_reference
 
 __all__ = [
     "adam_step",
@@ -42,10 +40,6 @@ __all__ = [
     "layer_norm_reference",
     "layer_norm_residual",
     "layer_norm_residual_reference",
-    "linear",
-    "linear_reference",
-    "relu_dropout_linear",
-    "relu_dropout_linear_reference",
     "transformer_embedding",
     "transformer_embedding_reference",
 ]

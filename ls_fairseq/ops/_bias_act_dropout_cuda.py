@@ -3,9 +3,7 @@
 
 Ops: ``bias_act_dropout_fwd(x, bias, activation, p, train) -> (out, rng)``,
 ``bias_act_dropout_bwd(grad, x, bias, rng, activation, p, train, bias_grad) -> (grad_x, grad_bias)``
-``relu_dropout_bwd(grad, out, p, train, bias_grad) -> (grad_x, grad_bias)`` and
-``relu_dropout_mask_fwd(x, bias, p, train) -> (out, mask)``, the relu forward with the bit-mask
-that ``ops/relu_dropout_linear.py``'s backward GEMM reads.
+and ``relu_dropout_bwd(grad, out, p, train, bias_grad) -> (grad_x, grad_bias)``.
 
 What the backward keeps: for relu, ``out`` only (an element passes the gradient exactly when
 ``out > 0``: kept by dropout and relu active). ``out`` is the tensor fc2 saves for its weight
@@ -40,15 +38,6 @@ def _bwd_fake(grad, x, bias, rng, activation, p, train, bias_grad):
 @torch.library.register_fake("ls_fairseq::relu_dropout_bwd")
 def _relu_bwd_fake(grad, out, p, train, bias_grad):
     return _bwd_fake(grad, out, None, None, "relu", p, train, bias_grad)
-
-
-@torch.library.register_fake("ls_fairseq::relu_dropout_mask_fwd")
-def _relu_mask_fwd_fake(x, bias, p, train):
-    rows = x.numel() // x.size(-1)
-    return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-        x.new_empty((rows, (x.size(-1) + 127) // 128 * 16), dtype=torch.uint8),
-    )
 
 
 def bias_act_dropout_cuda(x, bias, activation: str, dropout_p: float, training: bool):

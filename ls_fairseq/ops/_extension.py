@@ -83,26 +83,6 @@ def _arch_flags():
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
-def _cublaslt_paths(cuda_home: str):
-    """(include folders, linker flags) for cuBLASLt, which ``csrc/gemm_epilogues.cpp`` calls:
-    the toolkit's own, else the ``nvidia-cublas`` wheel torch was installed with."""
-    if glob.glob(os.path.join(cuda_home, "include", "cublasLt.h")) and glob.glob(
-        os.path.join(cuda_home, "lib*", "libcublasLt.so*")
-    ):
-        return [], ["-lcublasLt"]
-    try:
-        import nvidia  # namespace package of NVIDIA's pip wheels
-    except ImportError:
-        return [], ["-lcublasLt"]
-    for root in list(getattr(nvidia, "__path__", [])):
-        for sub in sorted(os.listdir(root)):
-            include, lib = os.path.join(root, sub, "include"), os.path.join(root, sub, "lib")
-            libs = sorted(glob.glob(os.path.join(lib, "libcublasLt.so*")))
-            if os.path.exists(os.path.join(include, "cublasLt.h")) and libs:
-                return [include], [f"-L{lib}", f"-l:{os.path.basename(libs[0])}", f"-Wl,-rpath,{lib}"]
-    return [], ["-lcublasLt"]
-
-
 def _build():
     from torch.utils import cpp_extension
 
@@ -111,14 +91,12 @@ def _build():
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("nvcc was not found (set CUDA_HOME)")
     directory = csrc_dir()
-    cublas_includes, cublas_ldflags = _cublaslt_paths(cpp_extension.CUDA_HOME)
     cpp_extension.load(
         # torch rebuilds when a listed source changes, but not when a header does: name the build
         # after a digest of every file in csrc/ so any change gets its own build
         name=f"{EXTENSION_NAME}_{_sources_digest(directory)}",
         sources=source_files(directory),
-        extra_include_paths=[directory] + cublas_includes,
-        extra_ldflags=cublas_ldflags,
+        extra_include_paths=[directory],
         extra_cflags=list(CXX_FLAGS),
         extra_cuda_cflags=CUDA_FLAGS + _arch_flags(),
         is_python_module=False,
