@@ -11,6 +11,9 @@
 //   dx = rstd * (d - mean(d) - xhat * mean(d * xhat)),  dw = sum_rows grad * xhat,  db = sum_rows grad.
 // With a residual gradient r (pre-LN blocks: x feeds both this LayerNorm and the residual branch),
 // backward returns dx + r in the same pass, so autograd's separate add of the two is not needed.
+// bias_dropout_residual_layer_norm_fwd fuses the pre-LN sublayer boundary: the sublayer output's
+// bias + dropout + residual (as csrc/dropout_fusions.cu, same mask) and the next LayerNorm, in one
+// pass (x is written once and not read back).
 // Invertible mode (as DeepSpeed's normalize_invertible) rebuilds xhat = (y - b) / w from the
 // output, so the caller may keep y instead of x; it needs a weight with no zero entries and its
 // xhat carries the rounding of y (fp16: ~1e-3 relative).
@@ -40,6 +43,7 @@
 #include "check.h"
 #include "device_utils.cuh"
 #include "launch_utils.h"
+#include "philox_dropout.cuh"
 
 namespace {
 
@@ -112,24 +116,19 @@ __device__ __forceinline__ void block_allreduce2(float& a, float& b) {
 }
 
 // ---------------------------------------------------------------- forward
+// LayerNorm of one row held by a warp in registers (v[k] = vector lane + 32 k of the row, shift =
+// the row's first element): statistics, then y. Shared by the plain and the fused forward.
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
-    ln_fwd_warp_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
-                       T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                       int64_t rows, int C, float eps) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (row >= rows) return;
-  const int nvec = C / VEC;
-  const T* xr = x + row * C;
-  const float shift = to_float(xr[0]);
-  float v[NV][VEC];
+__device__ __forceinline__ void ln_warp_row(const float (&v)[NV][VEC], float shift, int lane,
+                                            int nvec, int C, const T* __restrict__ w,
+                                            const T* __restrict__ b, T* __restrict__ yr,
+                                            float* __restrict__ mean_out,
+                                            float* __restrict__ rstd_out, int64_t row, float eps) {
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int j = lane + k * kWarp;
     if (j < nvec) {
-      load_vec<T, VEC>(xr + j * VEC, v[k]);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const float d = v[k][i] - shift;
@@ -147,7 +146,6 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
     mean_out[row] = shift + mean_shifted;
     rstd_out[row] = rstd;
   }
-  T* yr = y + row * C;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int j = lane + k * kWarp;
@@ -159,6 +157,82 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
       store_vec<T, VEC>(yr + j * VEC, o);
     }
   }
+}
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
+    ln_fwd_warp_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                       T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                       int64_t rows, int C, float eps) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= rows) return;
+  const int nvec = C / VEC;
+  const T* xr = x + row * C;
+  float v[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int j = lane + k * kWarp;
+    if (j < nvec) load_vec<T, VEC>(xr + j * VEC, v[k]);
+  }
+  ln_warp_row<T, VEC, NV>(v, to_float(xr[0]), lane, nvec, C, w, b, y + row * C, mean_out, rstd_out,
+                          row, eps);
+}
+
+// Fused pre-LN sublayer boundary: x = residual + dropout(y + bias) (exactly the
+// bias_dropout_residual kernel's values and Philox mask, csrc/dropout_fusions.cu), stored, then
+// h = LayerNorm(x) of the stored (rounded) x, as the two kernels one after the other compute it,
+// without reading x back. 16-byte vectors only (VEC = 8 fp16/bf16, 4 fp32: whole Philox words).
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
+    bdr_ln_fwd_warp_kernel(const T* __restrict__ y, const T* __restrict__ bias,
+                           const T* __restrict__ res, T* __restrict__ x_out,
+                           const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ h,
+                           float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                           int64_t rows, int C, float eps, DropoutArgs drop,
+                           at::PhiloxCudaState philox, int64_t* __restrict__ rng_out) {
+  static_assert(VEC % 4 == 0, "whole Philox words per vector");
+  uint64_t seed, offset;
+  unpack_seed(philox, drop.enabled, seed, offset);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    rng_out[0] = static_cast<int64_t>(seed);
+    rng_out[1] = static_cast<int64_t>(offset);
+  }
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (row >= rows) return;
+  const int nvec = C / VEC;
+  float v[NV][VEC];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int j = lane + k * kWarp;
+    if (j < nvec) {
+      const int64_t off = row * C + static_cast<int64_t>(j) * VEC;
+      float yv[VEC], rv[VEC], bv[VEC], o[VEC];
+      load_vec<T, VEC>(y + off, yv);
+      load_vec<T, VEC>(res + off, rv);
+      if (bias != nullptr) {
+        load_vec<T, VEC>(bias + static_cast<int64_t>(j) * VEC, bv);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) bv[i] = 0.f;
+      }
+      if (drop.enabled) {
+        bool keep[VEC];
+        keep_mask<VEC>(seed, offset, row, static_cast<int64_t>(j) * VEC, C, drop.threshold, keep);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = rv[i] + (keep[i] ? (yv[i] + bv[i]) * drop.scale : 0.f);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = rv[i] + (yv[i] + bv[i]);
+      }
+      store_vec<T, VEC>(x_out + off, o);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[k][i] = to_float(from_float<T>(o[i]));  // the stored x
+    }
+  }
+  const float shift = __shfl_sync(0xffffffffu, v[0][0], 0);  // lane 0 holds column 0
+  ln_warp_row<T, VEC, NV>(v, shift, lane, nvec, C, w, b, h + row * C, mean_out, rstd_out, row, eps);
 }
 
 template <typename T, int VEC>
@@ -526,6 +600,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
   return {y, mean, rstd};
 }
 
+// (x, h, mean, rstd, rng): x = residual + dropout(y + bias), h = LayerNorm(x), with the Philox
+// state rng that bias_dropout_residual_bwd regenerates the mask from. Rows held by one warp in
+// 16-byte vectors only (C % 8 == 0 and C <= 2048 for fp16/bf16, C % 4 == 0 and C <= 1024 for fp32,
+// 16-byte aligned data); ops/bias_dropout_residual_layer_norm.py composes the two ops otherwise.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bdr_layer_norm_fwd(
+    const at::Tensor& y_in, const std::optional<at::Tensor>& bias_in, const at::Tensor& res_in,
+    const std::optional<at::Tensor>& w_in, const std::optional<at::Tensor>& b_in, double p,
+    bool train, double eps) {
+  const char* name = "ls_fairseq bias_dropout_residual_layer_norm_fwd";
+  LSF_CHECK(y_in.is_cuda(), name, ": expected a CUDA tensor");
+  LSF_CHECK(y_in.dim() >= 1 && y_in.size(-1) > 0, name,
+            ": expected y of shape [..., C] with C > 0, got ", y_in.sizes());
+  LSF_CHECK(res_in.sizes() == y_in.sizes() && res_in.scalar_type() == y_in.scalar_type() &&
+                res_in.device() == y_in.device(),
+            name, ": residual must have the shape, dtype and device of y");
+  const int64_t C64 = y_in.size(-1);
+  const int64_t vec = 16 / static_cast<int64_t>(y_in.element_size());
+  LSF_CHECK(C64 % vec == 0 && C64 / vec <= 8 * kWarp, name, ": hidden size ", C64,
+            " must be a multiple of ", vec, " and at most ", 8 * kWarp * vec,
+            " (use bias_dropout_residual then layer_norm)");
+  const int C = static_cast<int>(C64);
+  check_affine(bias_in, y_in, C, "bias", name);
+  check_affine(w_in, y_in, C, "weight", name);
+  check_affine(b_in, y_in, C, "LayerNorm bias", name);
+  LSF_CHECK(eps >= 0.0, name, ": eps must be >= 0");
+  c10::cuda::CUDAGuard guard(y_in.device());
+  const auto y = y_in.contiguous();
+  const auto res = res_in.contiguous();
+  std::optional<at::Tensor> bias, w, b;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  if (w_in.has_value()) w = w_in->contiguous();
+  if (b_in.has_value()) b = b_in->contiguous();
+  const int64_t rows = y.numel() / C;
+  auto x = at::empty_like(y, at::MemoryFormat::Contiguous);
+  auto h = at::empty_like(y, at::MemoryFormat::Contiguous);
+  auto mean = at::empty({rows}, y.options().dtype(at::kFloat));
+  auto rstd = at::empty({rows}, y.options().dtype(at::kFloat));
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
+  auto rng = rows == 0 ? at::zeros({2}, y.options().dtype(at::kLong))
+                       : at::empty({2}, y.options().dtype(at::kLong));
+  if (rows == 0) return {x, h, mean, rstd, rng};
+  at::PhiloxCudaState philox;
+  if (drop.enabled) philox = next_philox(y);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  LSF_DISPATCH_FLOAT_TYPES(y.scalar_type(), name, [&] {
+    constexpr int VEC = 16 / sizeof(T);
+    const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+    const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+    const T* rp = reinterpret_cast<const T*>(res.data_ptr());
+    const T* wp = w ? reinterpret_cast<const T*>(w->data_ptr()) : nullptr;
+    const T* lbp = b ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
+    T* xp = reinterpret_cast<T*>(x.data_ptr());
+    T* hp = reinterpret_cast<T*>(h.data_ptr());
+    LSF_CHECK(use_vec<T>(C, {yp, bp, rp, wp, lbp, xp, hp}), name,
+              ": inputs must be 16-byte aligned");
+    float* mp = mean.data_ptr<float>();
+    float* sp = rstd.data_ptr<float>();
+    int64_t* rngp = rng.data_ptr<int64_t>();
+    const float feps = static_cast<float>(eps);
+    const unsigned grid = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+    const dim3 block(kWarp * kWarpsPerBlock);
+    auto launch = [&](auto nv_tag) {
+      constexpr int NV = decltype(nv_tag)::value;
+      bdr_ln_fwd_warp_kernel<T, VEC, NV><<<grid, block, 0, stream>>>(
+          yp, bp, rp, xp, wp, lbp, hp, mp, sp, rows, C, feps, drop, philox, rngp);
+    };
+    switch (vectors_per_lane(C / VEC)) {
+      case 1: launch(std::integral_constant<int, 1>{}); break;
+      case 2: launch(std::integral_constant<int, 2>{}); break;
+      case 4: launch(std::integral_constant<int, 4>{}); break;
+      default: launch(std::integral_constant<int, 8>{}); break;
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {x, h, mean, rstd, rng};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& grad_in, const at::Tensor& saved_in, const std::optional<at::Tensor>& w_in,
     const std::optional<at::Tensor>& b_in, const std::optional<at::Tensor>& mean_in,
@@ -672,9 +823,14 @@ TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
   m.def("layer_norm_bwd(Tensor grad, Tensor saved, Tensor? weight, Tensor? bias, Tensor? mean, "
         "Tensor rstd, bool invertible, bool weight_grad, bool bias_grad, Tensor? residual_grad=None) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("bias_dropout_residual_layer_norm_fwd(Tensor y, Tensor? bias, Tensor residual, "
+        "Tensor? weight, Tensor? ln_bias, float p, bool train, float eps) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        {at::Tag::nondeterministic_seeded});
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
   m.impl("layer_norm_fwd", &layer_norm_fwd);
   m.impl("layer_norm_bwd", &layer_norm_bwd);
+  m.impl("bias_dropout_residual_layer_norm_fwd", &bdr_layer_norm_fwd);
 }

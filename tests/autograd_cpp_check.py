@@ -69,6 +69,10 @@ def bad_bwd(g, x, b, rng, act, p, train, bg):
 def relu_bwd(g, out, p, train, bg):
     CALLS.append(("relu_bwd", bg)); gx = g * (out > 0) * ((1 / (1 - p)) if (train and p > 0) else 1)
     return gx, (gx.reshape(-1, g.size(-1)).sum(0) if bg else g.new_empty(0))
+def bdr_ln_fwd(y, b, r, w, lb, p, train, eps):
+    x, rng = bdr_fwd(y, b, r, p, train); h, mean, rstd = ln_fwd(x, w, lb, eps)
+    return x, h, mean, rstd, rng
+lib.impl("bias_dropout_residual_layer_norm_fwd", bdr_ln_fwd, "CPU")
 for name, fn in [("layer_norm_fwd", ln_fwd), ("layer_norm_bwd", ln_bwd), ("bias_dropout_residual_fwd", bdr_fwd), ("bias_dropout_residual_bwd", bdr_bwd), ("bias_act_dropout_fwd", bad_fwd), ("bias_act_dropout_bwd", bad_bwd), ("relu_dropout_bwd", relu_bwd)]:
     lib.impl(name, fn, "CPU")
 cpp_extension.load(name="ls_fairseq_autograd_check", sources=[os.path.join(CSRC, "layer_norm_autograd.cpp"), os.path.join(CSRC, "dropout_fusions_autograd.cpp")], build_directory=sys.argv[1], is_python_module=False, verbose=False)
@@ -116,4 +120,31 @@ for act, has_b, p, train in itertools.product(["relu", "gelu"], [True, False], [
 x = torch.randn(4, 6, dtype=torch.double); b = leaf(6)
 out, _ = ops.bias_act_dropout_fwd(x, b, "gelu", 0.0, True); (gb,) = torch.autograd.grad(out.sum(), [b])
 check(gb, torch.autograd.grad(F.gelu(x + b).sum(), [b])[0], "bias only")
+# fused pre-LN boundary (x, h) = (r + dropout(y + b), LayerNorm(x)): gradients of either output or
+# both, any subset of the inputs present / requiring grad
+for has_b, has_w, has_lb, p, train, y_req, r_req, outs in itertools.product(
+        [True, False], [True, False], [True, False], [0.0, 0.3], [True, False], [True, False],
+        [True, False], ["x", "h", "xh"]):
+    y = leaf(3, 7).requires_grad_(y_req); r = leaf(3, 7).requires_grad_(r_req)
+    b = leaf(7) if has_b else None; w = leaf(7) if has_w else None; lb = leaf(7) if has_lb else None
+    ins = [t for t in (y, b, r, w, lb) if t is not None and t.requires_grad]
+    if not ins: continue
+    gx, gh = torch.randn(3, 7, dtype=torch.double), torch.randn(3, 7, dtype=torch.double)
+    CALLS.clear(); x, h, mean, rstd, rng = ops.bias_dropout_residual_layer_norm_fwd(y, b, r, w, lb, p, train, 1e-5)
+    assert not mean.requires_grad and not rng.requires_grad
+    m = mask(int(rng[0]), (3, 7), p) if (train and p > 0) else 1
+    xr = r + (y + (b if b is not None else 0)) * m; hr = F.layer_norm(xr, (7,), w, lb, 1e-5)
+    loss = ((x * gx).sum() if "x" in outs else 0) + ((h * gh).sum() if "h" in outs else 0)
+    ref = ((xr * gx).sum() if "x" in outs else 0) + ((hr * gh).sum() if "h" in outs else 0)
+    if not ref.requires_grad:  # only LayerNorm's parameters need grad and only x is used: no gradient
+        for a in torch.autograd.grad(loss, ins, allow_unused=True): assert a is None or not a.any()
+        continue
+    got = torch.autograd.grad(loss, ins, allow_unused=True); want = torch.autograd.grad(ref, ins, allow_unused=True)
+    for a, e in zip(got, want):
+        a = torch.zeros_like(e) if (a is None and e is not None) else a
+        e = torch.zeros_like(a) if (e is None and a is not None) else e
+        check(a, e, ("bdr_ln", has_b, has_w, has_lb, p, train, y_req, r_req, outs))
+    lnb = [c for c in CALLS if isinstance(c, tuple) and c[0] == "ln_bwd"]
+    assert len(lnb) == (1 if "h" in outs else 0), CALLS
+    if lnb: assert lnb[0][2:] == (bool(has_w), bool(has_lb)), CALLS
 print("all C++ autograd checks passed")

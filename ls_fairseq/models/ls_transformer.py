@@ -35,6 +35,7 @@ from ..modules import (
     TransformerEmbedding,
     TransformerEncoderLayer,
 )
+from ..modules.encoder_layer import next_norms
 
 #: fairseq's set_num_updates implementations that only pass the call on to submodules
 _FORWARDING_HOOKS = (BaseFairseqModel.set_num_updates, FairseqEncoder.set_num_updates)
@@ -128,12 +129,14 @@ class LSTransformerEncoder(FairseqEncoder):
         x = self.embedding(src_tokens, self.embed_tokens, self.embed_positions,
                            self.layernorm_embedding)
         states = [x.transpose(0, 1)] if return_all_hiddens else []
-        for layer in self.layers:
-            x = layer(x, padding_mask)
+        normed = None  # pre-LN: the LayerNorm of x that the previous layer's last kernel computed
+        for layer, next_norm in zip(self.layers, next_norms(self.layers, self.layer_norm)):
+            out = layer(x, padding_mask, normed=normed, next_norm=next_norm)
+            x, normed = out if next_norm is not None else (out, None)
             if return_all_hiddens:
                 states.append(x.transpose(0, 1))
         if self.layer_norm is not None:
-            x = self.layer_norm(x)
+            x = normed if normed is not None else self.layer_norm(x)
         src_lengths = src_tokens.ne(self.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1)
         return {
             "encoder_out": [x.transpose(0, 1)],  # T x B x C, as fairseq (a view of B x T x C)
@@ -270,11 +273,15 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
 
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x.transpose(0, 1)]
-        for idx, layer in enumerate(self.layers):
-            x, layer_attn = layer(
+        normed = None  # pre-LN: the LayerNorm of x that the previous layer's last kernel computed
+        for idx, (layer, next_norm) in enumerate(zip(self.layers,
+                                                     next_norms(self.layers, self.layer_norm))):
+            out, layer_attn = layer(
                 x, cross_kv[idx], padding_mask, self_attn_padding_mask, incremental_state,
                 need_attn=(idx == need_attn_layer), causal=not full_context_alignment,
+                normed=normed, next_norm=next_norm,
             )
+            x, normed = out if next_norm is not None else (out, None)
             inner_states.append(x.transpose(0, 1))
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.to(x)  # [B, H, T, S]
@@ -283,7 +290,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 attn = attn[:, :alignment_heads]
             attn = attn.mean(dim=1)
         if self.layer_norm is not None:
-            x = self.layer_norm(x)
+            x = normed if normed is not None else self.layer_norm(x)
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
         return x, {"attn": [attn], "inner_states": inner_states}

@@ -7,7 +7,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.bias_act_dropout import check_activation
 from .attention import CrossAttention, SelfAttention
-from .encoder_layer import feed_forward, sublayer_input
+from .encoder_layer import check_post_ln_call, feed_forward, sublayer_output
 from .layer_norm import LayerNorm
 
 
@@ -36,10 +36,6 @@ class TransformerDecoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)
         self.final_layer_norm = LayerNorm(embed_dim)
 
-    def _sublayer_out(self, y, bias, residual, norm):
-        x = ops.bias_dropout_residual(y, bias, residual, self.dropout, self.training)
-        return x if self.normalize_before else norm(x)
-
     def forward(
         self,
         x: Tensor,
@@ -49,22 +45,32 @@ class TransformerDecoderLayer(nn.Module):
         incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
         need_attn: bool = False,
         causal: bool = True,
+        normed: Optional[Tensor] = None,
+        next_norm: Optional[nn.Module] = None,
     ):
-        """x [B, T, C]; encoder_kv = (k, v) [B, H, S, D] -> (x, cross-attention probs or None)."""
-        h, residual = sublayer_input(x, self.self_attn_layer_norm, self.normalize_before)
-        y, _ = self.self_attn(h, self_attn_padding_mask, causal=causal,
-                              incremental_state=incremental_state)
-        x = self._sublayer_out(y, self.self_attn.out_proj.bias, residual,
-                               self.self_attn_layer_norm)
+        """x [B, T, C]; encoder_kv = (k, v) [B, H, S, D] -> (x, cross-attention probs or None).
 
+        Pre-LN only: ``normed`` is ``self_attn_layer_norm(x)`` when the previous layer computed it;
+        with ``next_norm`` the first output is ``(x, next_norm(x))`` (see ``next_norms``).
+        """
         k, v = encoder_kv
-        h, residual = sublayer_input(x, self.encoder_attn_layer_norm, self.normalize_before)
-        y, attn = self.encoder_attn(h, k, v, encoder_padding_mask, need_weights=need_attn)
-        x = self._sublayer_out(y, self.encoder_attn.out_proj.bias, residual,
-                               self.encoder_attn_layer_norm)
+        if self.normalize_before:
+            h, residual = (normed, x) if normed is not None else self.self_attn_layer_norm.with_residual(x)
+            y, _ = self.self_attn(h, self_attn_padding_mask, causal=causal,
+                                  incremental_state=incremental_state)
+            x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,
+                                   self.training, self.encoder_attn_layer_norm)
+            y, attn = self.encoder_attn(h, k, v, encoder_padding_mask, need_weights=need_attn)
+            x, h = sublayer_output(y, self.encoder_attn.out_proj.bias, x, self.dropout,
+                                   self.training, self.final_layer_norm)
+            return feed_forward(self, h, x, next_norm), attn
 
-        h, residual = sublayer_input(x, self.final_layer_norm, self.normalize_before)
-        x = feed_forward(self, h, residual)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
-        return x, attn
+        check_post_ln_call(normed, next_norm)
+        y, _ = self.self_attn(x, self_attn_padding_mask, causal=causal,
+                              incremental_state=incremental_state)
+        x = self.self_attn_layer_norm(ops.bias_dropout_residual(
+            y, self.self_attn.out_proj.bias, x, self.dropout, self.training))
+        y, attn = self.encoder_attn(x, k, v, encoder_padding_mask, need_weights=need_attn)
+        x = self.encoder_attn_layer_norm(ops.bias_dropout_residual(
+            y, self.encoder_attn.out_proj.bias, x, self.dropout, self.training))
+        return self.final_layer_norm(feed_forward(self, x, x)), attn

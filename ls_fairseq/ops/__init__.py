@@ -8,6 +8,10 @@ from .adam import adam_step, adam_step_reference
 from .attention import attention, attention_packed, attention_reference
 from .bias_act_dropout import bias_act_dropout, bias_act_dropout_reference
 from .bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_reference
+from .bias_dropout_residual_layer_norm import (
+    bias_dropout_residual_layer_norm,
+    bias_dropout_residual_layer_norm_reference,
+)
 from .cross_entropy import (
     label_smoothed_cross_entropy,
     label_smoothed_cross_entropy_reference,
@@ -32,6 +36,8 @@ __all__ = [
     "bias_act_dropout_reference",
     "bias_dropout_residual",
     "bias_dropout_residual_reference",
+    "bias_dropout_residual_layer_norm",
+    "bias_dropout_residual_layer_norm_reference",
     "label_smoothed_cross_entropy",
     "label_smoothed_cross_entropy_reference",
     "label_smoothed_cross_entropy_rows",

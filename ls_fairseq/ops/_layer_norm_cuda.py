@@ -10,6 +10,11 @@ fake-tensor shapes are registered here with ``torch.library.register_fake``.
 ``x`` (a view of it), and the gradient arriving there is added to LayerNorm's input gradient inside
 ``layer_norm_bwd``'s pass (its ``residual_grad``) instead of by a separate autograd add.
 
+``bias_dropout_residual_layer_norm_fwd(y, bias, residual, weight, ln_bias, p, train, eps) -> (x,
+h, mean, rstd, rng)`` fuses a pre-LN sublayer boundary: ``x = residual + dropout(y + bias)`` and
+``h = LayerNorm(x)`` in one kernel; its C++ autograd runs ``layer_norm_bwd`` (with x's own
+gradient as the residual gradient) then ``bias_dropout_residual_bwd``.
+
 ``invertible=True`` saves the output ``y`` (and ``rstd``) for backward instead of the input ``x``,
 so a caller that keeps ``y`` anyway (the next sublayer's input) lets ``x`` be freed; backward then
 rebuilds ``xhat = (y - bias) / weight``. It needs a weight without zero entries, and in fp16/bf16
@@ -38,6 +43,15 @@ def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bi
         grad.new_empty((c if weight_grad else 0,)),
         grad.new_empty((c if bias_grad else 0,)),
     )
+
+
+@torch.library.register_fake("ls_fairseq::bias_dropout_residual_layer_norm_fwd")
+def _bdr_ln_fake(y, bias, residual, weight, ln_bias, p, train, eps):
+    rows = y.numel() // y.size(-1)
+    stats = y.new_empty((rows,), dtype=torch.float32)
+    return (torch.empty_like(y, memory_format=torch.contiguous_format),
+            torch.empty_like(y, memory_format=torch.contiguous_format), stats,
+            stats.new_empty((rows,)), y.new_empty((2,), dtype=torch.int64))
 
 
 def _input_grads(ctx, grad_y, residual_grad=None):
@@ -99,3 +113,28 @@ def layer_norm_cuda(x, weight, bias, eps: float = 1e-5, invertible: bool = False
     weight, bias = _affine_like(x, weight, bias)
     y, _mean, _rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, float(eps), bool(invertible))
     return y
+
+
+def fused_boundary_fits(y, bias, residual, weight, ln_bias) -> bool:
+    """Whether ``bias_dropout_residual_layer_norm_fwd`` takes these tensors: one warp per row in
+    16-byte vectors (C a multiple of 8 and at most 2048 for fp16/bf16; 4 and 1024 for fp32),
+    contiguous and 16-byte aligned, affine parameters of y's dtype and size."""
+    if y.dtype not in _SUPPORTED or y.dim() == 0 or residual.shape != y.shape:
+        return False
+    c, vec = y.size(-1), 16 // y.element_size()
+    tensors = [t for t in (y, bias, residual, weight, ln_bias) if t is not None]
+    return (
+        c > 0 and c % vec == 0 and c // vec <= 256
+        and all(t.dtype == y.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+                for t in tensors)
+        and all(t.numel() == c for t in (bias, weight, ln_bias) if t is not None)
+    )
+
+
+def bias_dropout_residual_layer_norm_cuda(y, bias, residual, weight, ln_bias, dropout_p: float,
+                                          training: bool, eps: float = 1e-5):
+    """(x, LayerNorm(x)) with x = residual + dropout(y + bias), one kernel (see the op's doc)."""
+    x, h, _mean, _rstd, _rng = torch.ops.ls_fairseq.bias_dropout_residual_layer_norm_fwd(
+        y, bias, residual, weight, ln_bias, float(dropout_p), bool(training), float(eps)
+    )
+    return x, h
