@@ -13,7 +13,8 @@
 // backward returns dx + r in the same pass, so autograd's separate add of the two is not needed.
 // bias_dropout_residual_layer_norm_fwd fuses the pre-LN sublayer boundary: the sublayer output's
 // bias + dropout + residual (as csrc/dropout_fusions.cu, same mask) and the next LayerNorm, in one
-// pass (x is written once and not read back).
+// pass (x is written once and not read back); its backward, with dropout, writes dx and y's
+// gradient (dx through the mask) from one pass of the LayerNorm backward.
 // Invertible mode (as DeepSpeed's normalize_invertible) rebuilds xhat = (y - b) / w from the
 // output, so the caller may keep y instead of x; it needs a weight with no zero entries and its
 // xhat carries the rounding of y (fp16: ~1e-3 relative).
@@ -36,6 +37,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -287,13 +289,20 @@ __device__ __forceinline__ float make_xhat(float saved, float w, float b, float 
 // processed at once, BT threads share a row and each holds NV vectors of it (column j*VEC with
 // j = threadIdx.x + k * BT).  dw/db are per-thread column sums over the rows of the block, reduced
 // over threadIdx.y at the end and written as one partial row per block.
-template <typename T, int VEC, int NV>
+//
+// DROP (the fused sublayer boundary's backward, bias_dropout_residual_layer_norm_bwd): dx is also
+// the gradient of x = residual + dropout(y + bias), so the same pass writes y's gradient
+// gy = dropout mask * scale * dx (of the stored, rounded dx, as bias_dropout_residual_bwd reads it;
+// mask regenerated from `rng`) and sums it into bias-gradient partials (part_g).
+template <typename T, int VEC, int NV, bool DROP = false>
 __global__ void __launch_bounds__(kBlockThreads)
     ln_bwd_rows_kernel(const T* __restrict__ grad, const T* __restrict__ saved,
                        const T* __restrict__ w, const T* __restrict__ b,
                        const float* __restrict__ mean, const float* __restrict__ rstd,
                        const T* __restrict__ res, T* __restrict__ dx, float* __restrict__ part_w,
-                       float* __restrict__ part_b, int64_t rows, int C, bool invertible) {
+                       float* __restrict__ part_b, int64_t rows, int C, bool invertible,
+                       T* __restrict__ gy, float* __restrict__ part_g, DropoutArgs drop,
+                       const int64_t* __restrict__ rng) {
   __shared__ float red[kBlockThreads / kWarp][2];
   __shared__ float colsum[kBlockThreads * VEC];
   const int BT = blockDim.x, R = blockDim.y;
@@ -302,11 +311,16 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int warp_in_row = tx / kWarp, warps_per_row = BT / kWarp;
   const int nvec = C / VEC;
   const float inv_c = 1.f / static_cast<float>(C);
-  float acc_w[NV][VEC], acc_b[NV][VEC];
+  float acc_w[NV][VEC], acc_b[NV][VEC], acc_g[NV][VEC];
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
+    for (int i = 0; i < VEC; ++i) acc_w[k][i] = acc_b[k][i] = acc_g[k][i] = 0.f;
+  uint64_t seed = 0, offset = 0;
+  if constexpr (DROP) {
+    seed = static_cast<uint64_t>(rng[0]);
+    offset = static_cast<uint64_t>(rng[1]);
+  }
 
   // Uniform trip count over the block (the loop body has barriers).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * R; base < rows;
@@ -376,19 +390,33 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) o[i] = rs * (d[k][i] - s1 - xh[k][i] * s2) + r[i];
         store_vec<T, VEC>(dx + row * C + j * VEC, o);
+        if constexpr (DROP) {
+          static_assert(VEC % 4 == 0, "whole Philox words per vector");
+          bool keep[VEC];
+          keep_mask<VEC>(seed, offset, row, static_cast<int64_t>(j) * VEC, C, drop.threshold, keep);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            o[i] = keep[i] ? to_float(from_float<T>(o[i])) * drop.scale : 0.f;
+            acc_g[k][i] += o[i];
+          }
+          store_vec<T, VEC>(gy + row * C + j * VEC, o);
+        }
       }
     }
   }
 
-  if (part_w == nullptr) return;  // uniform over the block
+  // Column partials of dw, db and (DROP) the bias gradient: each array present is reduced over
+  // the block's rows (conditions uniform over the block: barriers inside).
 #pragma unroll
-  for (int which = 0; which < 2; ++which) {
-    float* part = which == 0 ? part_w : part_b;
+  for (int which = 0; which < 3; ++which) {
+    float* part = which == 0 ? part_w : which == 1 ? part_b : part_g;
+    if (part == nullptr) continue;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i)
-        colsum[(ty * VEC + i) * BT + tx] = which == 0 ? acc_w[k][i] : acc_b[k][i];
+        colsum[(ty * VEC + i) * BT + tx] =
+            which == 0 ? acc_w[k][i] : which == 1 ? acc_b[k][i] : acc_g[k][i];
       __syncthreads();
       // BT * VEC sums over R rows; flat e = i * BT + t  ->  column (t + k * BT) * VEC + i.
       for (int e = tid; e < BT * VEC; e += BT * R) {
@@ -776,7 +804,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
           }
           kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(
               gp, sp, wp, bp, mp, rp, resp, dxp, need_wb ? part_w.data_ptr<float>() : nullptr,
-              need_wb ? part_b.data_ptr<float>() : nullptr, rows, C, invertible);
+              need_wb ? part_b.data_ptr<float>() : nullptr, rows, C, invertible, nullptr, nullptr,
+              DropoutArgs{false, 0u, 1.f}, nullptr);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
         if (nv == 1) {
@@ -815,6 +844,116 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   return {dx, dw, db};
 }
 
+// Backward of bias_dropout_residual_layer_norm_fwd with dropout: from grad_h (and x's own gradient
+// grad_x, the residual stream's), dx = LayerNorm's input gradient + grad_x, gy = dropout'(dx) and
+// the bias gradient (y's), plus dw/dlb when asked for: one pass instead of layer_norm_bwd then
+// bias_dropout_residual_bwd. Register path only (C / VEC <= 512 16-byte vectors: every C the
+// fused forward takes). Returns (dx, gy, dw, dlb, dbias); unrequested gradients are empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bdr_layer_norm_bwd(
+    const at::Tensor& grad_in, const at::Tensor& x_in, const std::optional<at::Tensor>& w_in,
+    const std::optional<at::Tensor>& b_in, const at::Tensor& mean_in, const at::Tensor& rstd_in,
+    const std::optional<at::Tensor>& grad_x_in, const at::Tensor& rng, double p, bool train,
+    bool weight_grad, bool ln_bias_grad, bool bias_grad) {
+  const char* name = "ls_fairseq bias_dropout_residual_layer_norm_bwd";
+  LSF_CHECK(grad_in.is_cuda() && grad_in.sizes() == x_in.sizes() &&
+                grad_in.scalar_type() == x_in.scalar_type() && grad_in.device() == x_in.device(),
+            name, ": grad and x must be CUDA tensors of one shape and dtype");
+  LSF_CHECK(grad_in.dim() >= 1 && grad_in.size(-1) > 0, name, ": expected [..., C] with C > 0");
+  const int C = static_cast<int>(grad_in.size(-1));
+  const int64_t rows = grad_in.numel() / C;
+  const int64_t vec = 16 / static_cast<int64_t>(grad_in.element_size());
+  LSF_CHECK(C % vec == 0 && C / vec <= 2 * kBlockThreads, name, ": hidden size ", C,
+            " must be a multiple of ", vec, " and at most ", 2 * kBlockThreads * vec);
+  check_affine(w_in, grad_in, C, "weight", name);
+  check_affine(b_in, grad_in, C, "LayerNorm bias", name);
+  LSF_CHECK(mean_in.numel() == rows && rstd_in.numel() == rows &&
+                mean_in.scalar_type() == at::kFloat && rstd_in.scalar_type() == at::kFloat,
+            name, ": mean and rstd must be float32 with one entry per row");
+  LSF_CHECK(!weight_grad || w_in.has_value(), name, ": weight_grad needs a weight");
+  LSF_CHECK(!ln_bias_grad || b_in.has_value(), name, ": ln_bias_grad needs a LayerNorm bias");
+  LSF_CHECK(!grad_x_in.has_value() || (grad_x_in->sizes() == grad_in.sizes() &&
+                                       grad_x_in->scalar_type() == grad_in.scalar_type() &&
+                                       grad_x_in->device() == grad_in.device()),
+            name, ": grad_x must have the shape, dtype and device of grad");
+  const DropoutArgs drop = make_dropout("ls_fairseq dropout", p, train);
+  LSF_CHECK(drop.enabled, name, ": only with dropout (without it, y's gradient is dx itself)");
+  LSF_CHECK(rng.numel() == 2 && rng.scalar_type() == at::kLong && rng.device() == grad_in.device(),
+            name, ": rng must be the int64[2] tensor returned by the forward");
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const auto grad = grad_in.contiguous();
+  const auto x = x_in.contiguous();
+  const auto mean = mean_in.contiguous();
+  const auto rstd = rstd_in.contiguous();
+  std::optional<at::Tensor> w, b;
+  if (w_in.has_value()) w = w_in->contiguous();
+  if (b_in.has_value()) b = b_in->contiguous();
+  at::Tensor res;
+  if (grad_x_in.has_value()) res = grad_x_in->contiguous();
+  auto dx = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  auto gy = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor dw = at::empty({weight_grad ? C : 0}, grad.options());
+  at::Tensor dlb = at::empty({ln_bias_grad ? C : 0}, grad.options());
+  at::Tensor dbias = at::empty({bias_grad ? C : 0}, grad.options());
+  if (rows == 0) {
+    dw.zero_();
+    dlb.zero_();
+    dbias.zero_();
+    return {dx, gy, dw, dlb, dbias};
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int dev = grad.get_device();
+  LSF_DISPATCH_FLOAT_TYPES(grad.scalar_type(), name, [&] {
+    constexpr int VEC = 16 / sizeof(T);
+    const T* gp = reinterpret_cast<const T*>(grad.data_ptr());
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* wp = w ? reinterpret_cast<const T*>(w->data_ptr()) : nullptr;
+    const T* bp = b ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
+    const T* resp = res.defined() ? reinterpret_cast<const T*>(res.data_ptr()) : nullptr;
+    T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+    T* gyp = reinterpret_cast<T*>(gy.data_ptr());
+    LSF_CHECK(use_vec<T>(C, {gp, xp, wp, bp, resp, dxp, gyp}), name,
+              ": inputs must be 16-byte aligned");
+    const int nvec = C / VEC;
+    const int nv = nvec <= kBlockThreads ? 1 : 2;
+    int bt = kWarp;
+    while (bt * nv < nvec && bt < kBlockThreads) bt *= 2;
+    const dim3 block(bt, kBlockThreads / bt);
+    at::Tensor part_w, part_b, part_g;
+    auto launch = [&](auto kernel) {
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
+      const int64_t resident = static_cast<int64_t>(std::min(std::max(per_sm, 1), 4)) * sm_count(dev);
+      const int64_t grid =
+          std::max<int64_t>(1, std::min<int64_t>((rows + block.y - 1) / block.y, resident));
+      auto partial = [&](bool need) {
+        return need ? at::empty({grid, C}, grad.options().dtype(at::kFloat)) : at::Tensor();
+      };
+      part_w = partial(weight_grad);
+      part_b = partial(ln_bias_grad);
+      part_g = partial(bias_grad);
+      auto ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+      kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(
+          gp, xp, wp, bp, mean.data_ptr<float>(), rstd.data_ptr<float>(), resp, dxp, ptr(part_w),
+          ptr(part_b), rows, C, false, gyp, ptr(part_g), drop, rng.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const unsigned g = static_cast<unsigned>((C + 31) / 32);
+      for (auto [part, out] : {std::pair<at::Tensor*, at::Tensor*>{&part_w, &dw},
+                               {&part_b, &dlb}, {&part_g, &dbias}}) {
+        if (!part->defined()) continue;
+        column_sum_kernel<T><<<g, dim3(32, 32), 0, stream>>>(part->data_ptr<float>(), grid, C,
+                                                            reinterpret_cast<T*>(out->data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    if (nv == 1) {
+      launch(ln_bwd_rows_kernel<T, VEC, 1, true>);
+    } else {
+      launch(ln_bwd_rows_kernel<T, VEC, 2, true>);
+    }
+  });
+  return {dx, gy, dw, dlb, dbias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
@@ -827,10 +966,15 @@ TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
         "Tensor? weight, Tensor? ln_bias, float p, bool train, float eps) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         {at::Tag::nondeterministic_seeded});
+  m.def("bias_dropout_residual_layer_norm_bwd(Tensor grad, Tensor x, Tensor? weight, "
+        "Tensor? ln_bias, Tensor mean, Tensor rstd, Tensor? grad_x, Tensor rng, float p, "
+        "bool train, bool weight_grad, bool ln_bias_grad, bool bias_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {
   m.impl("layer_norm_fwd", &layer_norm_fwd);
   m.impl("layer_norm_bwd", &layer_norm_bwd);
   m.impl("bias_dropout_residual_layer_norm_fwd", &bdr_layer_norm_fwd);
+  m.impl("bias_dropout_residual_layer_norm_bwd", &bdr_layer_norm_bwd);
 }

@@ -86,10 +86,12 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_autograd(const Tensor& x,
 
 // ------------------------------------------------------------------ fused sublayer boundary
 // (x, h) = (residual + dropout(y + bias), LayerNorm(x)). Backward, with the gradients of both
-// outputs: dx = LayerNorm's input gradient of grad_h plus grad_x (the residual stream's, added in
-// layer_norm_bwd's pass), then y's gradient is dx through the dropout mask (bias_dropout_residual_bwd,
-// regenerated from the saved Philox state) and the residual's is dx itself: the same kernels, in
-// the same order, as the unfused bias_dropout_residual -> layer_norm(with residual) pair.
+// outputs: dx = LayerNorm's input gradient of grad_h plus grad_x (the residual stream's), y's
+// gradient is dx through the dropout mask (regenerated from the saved Philox state) and the
+// residual's is dx itself. With dropout, one pass computes all of them
+// (bias_dropout_residual_layer_norm_bwd: the values of layer_norm_bwd then
+// bias_dropout_residual_bwd, the bias gradient summed in another order); without it, or when only
+// x's gradient arrives, the unfused kernels run.
 using BdrLnSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const std::optional<Tensor>&,
     const std::optional<Tensor>&, double, bool, double);
@@ -130,6 +132,13 @@ struct BiasDropoutResidualLayerNormFunction
     static auto ln_bwd = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("ls_fairseq::layer_norm_bwd", "")
                              .typed<BwdSig>();
+    static auto fused_bwd =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("ls_fairseq::bias_dropout_residual_layer_norm_bwd", "")
+            .typed<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+                const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                const std::optional<Tensor>&, const Tensor&, const Tensor&,
+                const std::optional<Tensor>&, const Tensor&, double, bool, bool, bool, bool)>();
     static auto bdr_bwd = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("ls_fairseq::bias_dropout_residual_bwd", "")
                               .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
@@ -146,15 +155,24 @@ struct BiasDropoutResidualLayerNormFunction
     };
     const bool need_y = ctx->needs_input_grad(0), need_bias = needs("bias_slot");
     const bool need_res = needs("res_slot"), need_w = needs("w_slot"), need_lb = needs("lb_slot");
-    Tensor dx = grad_x, dw, dlb;
+    const double p = ctx->saved_data["p"].toDouble();
+    const bool train = ctx->saved_data["train"].toBool();
+    Tensor dx = grad_x, dw, dlb, gy, gbias;
+    if (grad_h.defined() && train && p > 0 && (need_y || need_bias)) {
+      // one pass: LayerNorm's backward also writes y's gradient and its bias sums
+      std::tie(dx, gy, dw, dlb, gbias) =
+          fused_bwd.call(grad_h, x, present(w), present(lb), saved[3], saved[4], present(grad_x),
+                         saved[5], p, train, need_w, need_lb, need_bias);
+      if (need_bias) gbias = gbias.view(ctx->saved_data["bias_shape"].toIntVector());
+      return {need_y ? gy : Tensor(), need_bias ? gbias : Tensor(), need_res ? dx : Tensor(),
+              need_w ? dw.view_as(w) : Tensor(), need_lb ? dlb.view_as(lb) : Tensor(), Tensor(),
+              Tensor(), Tensor()};
+    }
     if (grad_h.defined()) {
       std::tie(dx, dw, dlb) = ln_bwd.call(grad_h, x, present(w), present(lb), present(saved[3]),
                                           saved[4], false, need_w, need_lb, present(grad_x));
     }
-    Tensor gy, gbias;
     if (need_y || need_bias) {
-      const double p = ctx->saved_data["p"].toDouble();
-      const bool train = ctx->saved_data["train"].toBool();
       if (train && p > 0) {
         std::tie(gy, gbias) = bdr_bwd.call(dx, saved[5], p, train, need_bias);
       } else {  // no dropout: d/dy is the identity

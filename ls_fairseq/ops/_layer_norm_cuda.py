@@ -12,8 +12,11 @@ fake-tensor shapes are registered here with ``torch.library.register_fake``.
 
 ``bias_dropout_residual_layer_norm_fwd(y, bias, residual, weight, ln_bias, p, train, eps) -> (x,
 h, mean, rstd, rng)`` fuses a pre-LN sublayer boundary: ``x = residual + dropout(y + bias)`` and
-``h = LayerNorm(x)`` in one kernel; its C++ autograd runs ``layer_norm_bwd`` (with x's own
-gradient as the residual gradient) then ``bias_dropout_residual_bwd``.
+``h = LayerNorm(x)`` in one kernel; its C++ autograd runs, with dropout,
+``bias_dropout_residual_layer_norm_bwd(grad_h, x, weight, ln_bias, mean, rstd, grad_x, rng, p,
+train, weight_grad, ln_bias_grad, bias_grad) -> (dx, gy, dw, dlb, dbias)`` (one pass: LayerNorm's
+backward plus y's gradient through the mask), else ``layer_norm_bwd`` then
+``bias_dropout_residual_bwd``.
 
 ``invertible=True`` saves the output ``y`` (and ``rstd``) for backward instead of the input ``x``,
 so a caller that keeps ``y`` anyway (the next sublayer's input) lets ``x`` be freed; backward then
@@ -52,6 +55,16 @@ def _bdr_ln_fake(y, bias, residual, weight, ln_bias, p, train, eps):
     return (torch.empty_like(y, memory_format=torch.contiguous_format),
             torch.empty_like(y, memory_format=torch.contiguous_format), stats,
             stats.new_empty((rows,)), y.new_empty((2,), dtype=torch.int64))
+
+
+@torch.library.register_fake("ls_fairseq::bias_dropout_residual_layer_norm_bwd")
+def _bdr_ln_bwd_fake(grad, x, weight, ln_bias, mean, rstd, grad_x, rng, p, train, weight_grad,
+                     ln_bias_grad, bias_grad):
+    c = grad.size(-1)
+    return (torch.empty_like(grad, memory_format=torch.contiguous_format),
+            torch.empty_like(grad, memory_format=torch.contiguous_format),
+            grad.new_empty((c if weight_grad else 0,)), grad.new_empty((c if ln_bias_grad else 0,)),
+            grad.new_empty((c if bias_grad else 0,)))
 
 
 def _input_grads(ctx, grad_y, residual_grad=None):
