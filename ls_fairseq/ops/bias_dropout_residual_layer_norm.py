@@ -2,8 +2,9 @@
 next sublayer's normalized input (the boundary between two pre-LN sublayers).
 
 On CUDA one kernel writes both (x is not read back for the LayerNorm), with exactly the values of
-``bias_dropout_residual`` followed by ``layer_norm_residual`` (same Philox mask); the backward runs
-the same two kernels as that pair. Shapes the fused kernel does not take run that pair.
+``bias_dropout_residual`` followed by ``layer_norm_residual`` (same Philox mask); with dropout the
+backward is one pass too (LayerNorm's backward also writes y's gradient through the mask and its
+bias sums). Shapes the fused kernel does not take run that pair.
 """
 from . import _extension
 from .bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_reference
