@@ -50,9 +50,13 @@ std::vector<double> time_algos(int64_t epi, int64_t m, int64_t n, int64_t k, boo
   std::vector<double> out; float alpha = 1.f, beta = 0.f; auto s = c10::cuda::getCurrentCUDAStream();
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
   for (int i = 0; i < found; ++i) {
-    for (int w = 0; w < 3; ++w) cublasLtMatmul(h, op, &alpha, A.data_ptr(), la, B.data_ptr(), lb, &beta, D.data_ptr(), ld, D.data_ptr(), ld, &res[i].algo, wsT.data_ptr(), ws, s);
+    auto call = [&] {
+      cublasLtMatmul(h, op, &alpha, A.data_ptr(), la, B.data_ptr(), lb, &beta, D.data_ptr(), ld,
+                     D.data_ptr(), ld, &res[i].algo, wsT.data_ptr(), ws, s);
+    };
+    for (int w = 0; w < 3; ++w) call();
     cudaEventRecord(e0, s);
-    for (int r = 0; r < reps; ++r) cublasLtMatmul(h, op, &alpha, A.data_ptr(), la, B.data_ptr(), lb, &beta, D.data_ptr(), ld, D.data_ptr(), ld, &res[i].algo, wsT.data_ptr(), ws, s);
+    for (int r = 0; r < reps; ++r) call();
     cudaEventRecord(e1, s); cudaEventSynchronize(e1); float ms; cudaEventElapsedTime(&ms, e0, e1); out.push_back(ms / reps);
   }
   return out;

@@ -55,7 +55,10 @@ class TransformerDecoderLayer(nn.Module):
         """
         k, v = encoder_kv
         if self.normalize_before:
-            h, residual = (normed, x) if normed is not None else self.self_attn_layer_norm.with_residual(x)
+            if normed is not None:  # computed by the previous layer's last kernel
+                h, residual = normed, x
+            else:
+                h, residual = self.self_attn_layer_norm.with_residual(x)
             y, _ = self.self_attn(h, self_attn_padding_mask, causal=causal,
                                   incremental_state=incremental_state)
             x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,

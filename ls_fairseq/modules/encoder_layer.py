@@ -69,7 +69,10 @@ class TransformerEncoderLayer(nn.Module):
         with ``next_norm`` the layer returns ``(x, next_norm(x))`` (see :func:`next_norms`).
         """
         if self.normalize_before:
-            h, residual = (normed, x) if normed is not None else self.self_attn_layer_norm.with_residual(x)
+            if normed is not None:  # computed by the previous layer's last kernel
+                h, residual = normed, x
+            else:
+                h, residual = self.self_attn_layer_norm.with_residual(x)
             y, _ = self.self_attn(h, encoder_padding_mask, causal=False)
             x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,
                                    self.training, self.final_layer_norm)
