@@ -15,8 +15,14 @@ itself does not call cuBLASLt.
 
     python bench/cublaslt_epilogues.py
 """
+import os
+import sys
+
 import torch
 from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import cuda_event_ms  # noqa: E402
 
 SOURCE = r'''
 #include <ATen/ATen.h>
@@ -66,16 +72,8 @@ std::vector<double> time_algos(int64_t epi, int64_t m, int64_t n, int64_t k, boo
 DEFAULT, DRELU, DRELU_BGRAD, BGRADB = 1, 8 | 128, 8 | 128 | 16, 512
 
 
-def aten_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def aten_ms(fn):
+    return cuda_event_ms(fn, 20)
 
 
 def main():
