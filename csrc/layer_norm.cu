@@ -37,7 +37,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <utility>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -557,6 +556,34 @@ int vectors_per_lane(int nvec) {
   return 0;
 }
 
+// ln_bwd_rows_kernel's block for rows of nvec vectors: BT threads share a row, enough for one
+// vector each (NV = 1) up to 256, then NV = 2; 256 / BT rows at once.
+dim3 bwd_rows_block(int nvec, int& nv) {
+  nv = nvec <= kBlockThreads ? 1 : 2;
+  int bt = kWarp;
+  while (bt * nv < nvec && bt < kBlockThreads) bt *= 2;
+  return dim3(bt, kBlockThreads / bt);
+}
+
+// Its grid: at most 4 resident blocks (32 warps) per SM, enough loads in flight for full
+// bandwidth while keeping the column partials (one row per block) small.
+template <typename Kernel>
+int64_t bwd_rows_grid(Kernel kernel, int64_t rows, const dim3& block, int dev) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
+  const int64_t resident = static_cast<int64_t>(std::min(std::max(per_sm, 1), 4)) * sm_count(dev);
+  return std::max<int64_t>(1, std::min<int64_t>((rows + block.y - 1) / block.y, resident));
+}
+
+// out [C] = the fixed-order column sum of the float32 partials [chunks, C].
+template <typename T>
+void sum_partials(const at::Tensor& part, int64_t chunks, int C, const at::Tensor& out,
+                  cudaStream_t stream) {
+  column_sum_kernel<T><<<static_cast<unsigned>((C + 31) / 32), dim3(32, 32), 0, stream>>>(
+      part.data_ptr<float>(), chunks, C, reinterpret_cast<T*>(out.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void check_affine(const std::optional<at::Tensor>& t, const at::Tensor& x, int64_t C,
                   const char* what, const char* name) {
   if (!t.has_value()) return;
@@ -766,37 +793,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     at::Tensor part_w, part_b;
     int64_t chunks = 0;
     auto finish = [&]() {
-      if (!need_wb) return;
-      const unsigned g = static_cast<unsigned>((C + 31) / 32);
-      if (weight_grad) {
-        column_sum_kernel<T><<<g, dim3(32, 32), 0, stream>>>(part_w.data_ptr<float>(), chunks, C,
-                                                    reinterpret_cast<T*>(dw.data_ptr()));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      if (bias_grad) {
-        column_sum_kernel<T><<<g, dim3(32, 32), 0, stream>>>(part_b.data_ptr<float>(), chunks, C,
-                                                    reinterpret_cast<T*>(db.data_ptr()));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      if (weight_grad) sum_partials<T>(part_w, chunks, C, dw, stream);
+      if (bias_grad) sum_partials<T>(part_b, chunks, C, db, stream);
     };
     auto run = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int nvec = C / VEC;
       if (nvec <= 2 * kBlockThreads) {
-        // Threads per row: enough for one vector each (NV = 1) up to 256, then NV = 2.
-        const int nv = nvec <= kBlockThreads ? 1 : 2;
-        int bt = kWarp;
-        while (bt * nv < nvec && bt < kBlockThreads) bt *= 2;
-        const dim3 block(bt, kBlockThreads / bt);
+        int nv = 1;
+        const dim3 block = bwd_rows_block(nvec, nv);
         auto launch = [&](auto kernel) {
-          int per_sm = 0;
-          C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                                       kBlockThreads, 0));
-          // At most 4 resident blocks (32 warps) per SM: enough loads in flight for full
-          // bandwidth while keeping the dw/db partials small.
-          const int64_t resident = static_cast<int64_t>(std::min(std::max(per_sm, 1), 4)) * sm_count(dev);
-          const int64_t grid = std::max<int64_t>(
-              1, std::min<int64_t>((rows + block.y - 1) / block.y, resident));
+          const int64_t grid = bwd_rows_grid(kernel, rows, block, dev);
           chunks = grid;
           if (need_wb) {
             part_w = at::empty({grid, C}, grad.options().dtype(at::kFloat));
@@ -913,37 +920,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bdr_layer
     T* gyp = reinterpret_cast<T*>(gy.data_ptr());
     LSF_CHECK(use_vec<T>(C, {gp, xp, wp, bp, resp, dxp, gyp}), name,
               ": inputs must be 16-byte aligned");
-    const int nvec = C / VEC;
-    const int nv = nvec <= kBlockThreads ? 1 : 2;
-    int bt = kWarp;
-    while (bt * nv < nvec && bt < kBlockThreads) bt *= 2;
-    const dim3 block(bt, kBlockThreads / bt);
-    at::Tensor part_w, part_b, part_g;
+    int nv = 1;
+    const dim3 block = bwd_rows_block(C / VEC, nv);
     auto launch = [&](auto kernel) {
-      int per_sm = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
-      const int64_t resident = static_cast<int64_t>(std::min(std::max(per_sm, 1), 4)) * sm_count(dev);
-      const int64_t grid =
-          std::max<int64_t>(1, std::min<int64_t>((rows + block.y - 1) / block.y, resident));
+      const int64_t grid = bwd_rows_grid(kernel, rows, block, dev);
       auto partial = [&](bool need) {
         return need ? at::empty({grid, C}, grad.options().dtype(at::kFloat)) : at::Tensor();
       };
-      part_w = partial(weight_grad);
-      part_b = partial(ln_bias_grad);
-      part_g = partial(bias_grad);
-      auto ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+      const at::Tensor part_w = partial(weight_grad), part_b = partial(ln_bias_grad),
+                       part_g = partial(bias_grad);
+      auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
       kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(
           gp, xp, wp, bp, mean.data_ptr<float>(), rstd.data_ptr<float>(), resp, dxp, ptr(part_w),
           ptr(part_b), rows, C, false, gyp, ptr(part_g), drop, rng.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const unsigned g = static_cast<unsigned>((C + 31) / 32);
-      for (auto [part, out] : {std::pair<at::Tensor*, at::Tensor*>{&part_w, &dw},
-                               {&part_b, &dlb}, {&part_g, &dbias}}) {
-        if (!part->defined()) continue;
-        column_sum_kernel<T><<<g, dim3(32, 32), 0, stream>>>(part->data_ptr<float>(), grid, C,
-                                                            reinterpret_cast<T*>(out->data_ptr()));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      if (weight_grad) sum_partials<T>(part_w, grid, C, dw, stream);
+      if (ln_bias_grad) sum_partials<T>(part_b, grid, C, dlb, stream);
+      if (bias_grad) sum_partials<T>(part_g, grid, C, dbias, stream);
     };
     if (nv == 1) {
       launch(ln_bwd_rows_kernel<T, VEC, 1, true>);

@@ -157,30 +157,26 @@ struct BiasDropoutResidualLayerNormFunction
     const bool need_res = needs("res_slot"), need_w = needs("w_slot"), need_lb = needs("lb_slot");
     const double p = ctx->saved_data["p"].toDouble();
     const bool train = ctx->saved_data["train"].toBool();
+    const bool dropout = train && p > 0;
     Tensor dx = grad_x, dw, dlb, gy, gbias;
-    if (grad_h.defined() && train && p > 0 && (need_y || need_bias)) {
+    if (grad_h.defined() && dropout && (need_y || need_bias)) {
       // one pass: LayerNorm's backward also writes y's gradient and its bias sums
       std::tie(dx, gy, dw, dlb, gbias) =
           fused_bwd.call(grad_h, x, present(w), present(lb), saved[3], saved[4], present(grad_x),
                          saved[5], p, train, need_w, need_lb, need_bias);
-      if (need_bias) gbias = gbias.view(ctx->saved_data["bias_shape"].toIntVector());
-      return {need_y ? gy : Tensor(), need_bias ? gbias : Tensor(), need_res ? dx : Tensor(),
-              need_w ? dw.view_as(w) : Tensor(), need_lb ? dlb.view_as(lb) : Tensor(), Tensor(),
-              Tensor(), Tensor()};
-    }
-    if (grad_h.defined()) {
-      std::tie(dx, dw, dlb) = ln_bwd.call(grad_h, x, present(w), present(lb), present(saved[3]),
-                                          saved[4], false, need_w, need_lb, present(grad_x));
-    }
-    if (need_y || need_bias) {
-      if (train && p > 0) {
+    } else {
+      if (grad_h.defined()) {
+        std::tie(dx, dw, dlb) = ln_bwd.call(grad_h, x, present(w), present(lb), present(saved[3]),
+                                            saved[4], false, need_w, need_lb, present(grad_x));
+      }
+      if (dropout && (need_y || need_bias)) {
         std::tie(gy, gbias) = bdr_bwd.call(dx, saved[5], p, train, need_bias);
       } else {  // no dropout: d/dy is the identity
         gy = dx;
         if (need_bias) gbias = dx.reshape({-1, dx.size(-1)}).sum(0);
       }
-      if (need_bias) gbias = gbias.view(ctx->saved_data["bias_shape"].toIntVector());
     }
+    if (need_bias) gbias = gbias.view(ctx->saved_data["bias_shape"].toIntVector());
     return {need_y ? gy : Tensor(),
             need_bias ? gbias : Tensor(),
             need_res ? dx : Tensor(),

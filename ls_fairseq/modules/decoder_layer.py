@@ -7,7 +7,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.bias_act_dropout import check_activation
 from .attention import CrossAttention, SelfAttention
-from .encoder_layer import check_post_ln_call, feed_forward, sublayer_output
+from .encoder_layer import check_post_ln_call, feed_forward, pre_ln_input, sublayer_output
 from .layer_norm import LayerNorm
 
 
@@ -55,10 +55,7 @@ class TransformerDecoderLayer(nn.Module):
         """
         k, v = encoder_kv
         if self.normalize_before:
-            if normed is not None:  # computed by the previous layer's last kernel
-                h, residual = normed, x
-            else:
-                h, residual = self.self_attn_layer_norm.with_residual(x)
+            h, residual = pre_ln_input(x, self.self_attn_layer_norm, normed)
             y, _ = self.self_attn(h, self_attn_padding_mask, causal=causal,
                                   incremental_state=incremental_state)
             x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,

@@ -9,6 +9,13 @@ from .attention import SelfAttention
 from .layer_norm import LayerNorm
 
 
+def pre_ln_input(x, norm, normed=None):
+    """(sublayer input, residual) of a pre-LN block: ``(normed, x)`` when the previous layer's
+    last kernel computed ``norm(x)``, else ``norm.with_residual(x)`` (the residual branch's
+    gradient of ``x`` is then added inside the LayerNorm's backward)."""
+    return (normed, x) if normed is not None else norm.with_residual(x)
+
+
 def sublayer_output(y, bias, residual, dropout: float, training: bool, next_norm=None):
     """``residual + dropout(y + bias)``; given ``next_norm`` (pre-LN: the LayerNorm that reads this
     output next), ``(x, next_norm(x))`` from one fused kernel."""
@@ -69,10 +76,7 @@ class TransformerEncoderLayer(nn.Module):
         with ``next_norm`` the layer returns ``(x, next_norm(x))`` (see :func:`next_norms`).
         """
         if self.normalize_before:
-            if normed is not None:  # computed by the previous layer's last kernel
-                h, residual = normed, x
-            else:
-                h, residual = self.self_attn_layer_norm.with_residual(x)
+            h, residual = pre_ln_input(x, self.self_attn_layer_norm, normed)
             y, _ = self.self_attn(h, encoder_padding_mask, causal=False)
             x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,
                                    self.training, self.final_layer_norm)
