@@ -80,7 +80,7 @@ def summarize(prof, wall_s, steps):
         "kernel_launches_per_step": len(kernels) / steps,
         "ms_per_step_by_category": {k: v / steps / 1e3 for k, v in cats.items()},
         "top_kernels_ms_per_step": sorted(((n[:90], v / steps / 1e3) for n, v in per_name.items()),
-                                          key=lambda x: -x[1])[:40],
+                                          key=lambda x: -x[1])[:80],
     }
     out.update(per_update(kernels, marks, wall_us))
     out.update(idle_gaps(kernels, steps))

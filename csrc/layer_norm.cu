@@ -38,8 +38,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "check.h"
 #include "device_utils.cuh"
@@ -328,13 +330,24 @@ __global__ void __launch_bounds__(kBlockThreads)
     const bool active = row < rows;
     const float rs = active ? rstd[row] : 0.f;
     const float mu = (active && !invertible) ? mean[row] : 0.f;
-    float d[NV][VEC], xh[NV][VEC];
+    // Every load of the row and its dropout mask come before the row reduction, so their
+    // latency overlaps the reduction.
+    float d[NV][VEC], xh[NV][VEC], r[NV][VEC];
+    bool keep[NV][VEC];
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int j = tx + k * BT;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) r[k][i] = 0.f;
       if (active && j < nvec) {
         load_vec<T, VEC>(grad + row * C + j * VEC, d[k]);
         load_vec<T, VEC>(saved + row * C + j * VEC, xh[k]);
+        if (res != nullptr) load_vec<T, VEC>(res + row * C + j * VEC, r[k]);
+        if constexpr (DROP) {
+          static_assert(VEC % 4 == 0, "whole Philox words per vector");
+          keep_mask<VEC>(seed, offset, row, static_cast<int64_t>(j) * VEC, C, drop.threshold,
+                         keep[k]);
+        }
       }
     }
     float s1 = 0.f, s2 = 0.f;
@@ -379,23 +392,14 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int k = 0; k < NV; ++k) {
       const int j = tx + k * BT;
       if (active && j < nvec) {
-        float o[VEC], r[VEC];
-        if (res != nullptr) {
-          load_vec<T, VEC>(res + row * C + j * VEC, r);
-        } else {
+        float o[VEC];
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) r[i] = 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = rs * (d[k][i] - s1 - xh[k][i] * s2) + r[i];
+        for (int i = 0; i < VEC; ++i) o[i] = rs * (d[k][i] - s1 - xh[k][i] * s2) + r[k][i];
         store_vec<T, VEC>(dx + row * C + j * VEC, o);
         if constexpr (DROP) {
-          static_assert(VEC % 4 == 0, "whole Philox words per vector");
-          bool keep[VEC];
-          keep_mask<VEC>(seed, offset, row, static_cast<int64_t>(j) * VEC, C, drop.threshold, keep);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            o[i] = keep[i] ? to_float(from_float<T>(o[i])) * drop.scale : 0.f;
+            o[i] = keep[k][i] ? to_float(from_float<T>(o[i])) * drop.scale : 0.f;
             acc_g[k][i] += o[i];
           }
           store_vec<T, VEC>(gy + row * C + j * VEC, o);
@@ -521,11 +525,18 @@ __global__ void __launch_bounds__(256)
 // Sum of per-block column partials [chunks, C] (float) into out [C] (T). Block (32, 32):
 // threadIdx.x picks the column, threadIdx.y a strided subset of the chunks; the 32 subtotals are
 // added in a fixed order (deterministic).
+// Up to three [chunks, C] float32 partial arrays and their [C] outputs, summed by one launch.
+struct ColumnSums {
+  const float* part[3];
+  void* out[3];
+};
+
+// out[a][c] = the fixed-order sum over chunks of part[a][:, c]; blockIdx.y picks the array a.
 template <typename T>
 __global__ void __launch_bounds__(1024)
-    column_sum_kernel(const float* __restrict__ partial, int64_t chunks, int64_t C,
-                      T* __restrict__ out) {
+    column_sum_kernel(ColumnSums sums, int64_t chunks, int64_t C) {
   __shared__ float sub[32][33];
+  const float* __restrict__ partial = sums.part[blockIdx.y];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float s = 0.f;
   if (c < C) {
@@ -538,7 +549,7 @@ __global__ void __launch_bounds__(1024)
     float t = 0.f;
 #pragma unroll
     for (int q = 0; q < 32; ++q) t += sub[q][threadIdx.x];
-    out[c] = from_float<T>(t);
+    reinterpret_cast<T*>(sums.out[blockIdx.y])[c] = from_float<T>(t);
   }
 }
 
@@ -575,12 +586,22 @@ int64_t bwd_rows_grid(Kernel kernel, int64_t rows, const dim3& block, int dev) {
   return std::max<int64_t>(1, std::min<int64_t>((rows + block.y - 1) / block.y, resident));
 }
 
-// out [C] = the fixed-order column sum of the float32 partials [chunks, C].
+// Each out [C] = the fixed-order column sum of its float32 partials [chunks, C]; pairs whose
+// partials are undefined are skipped, the rest share one launch.
 template <typename T>
-void sum_partials(const at::Tensor& part, int64_t chunks, int C, const at::Tensor& out,
-                  cudaStream_t stream) {
-  column_sum_kernel<T><<<static_cast<unsigned>((C + 31) / 32), dim3(32, 32), 0, stream>>>(
-      part.data_ptr<float>(), chunks, C, reinterpret_cast<T*>(out.data_ptr()));
+void sum_partials(std::initializer_list<std::pair<at::Tensor, at::Tensor>> pairs, int64_t chunks,
+                  int C, cudaStream_t stream) {
+  ColumnSums sums{};
+  unsigned n = 0;
+  for (const auto& [part, out] : pairs) {
+    if (!part.defined()) continue;
+    sums.part[n] = part.data_ptr<float>();
+    sums.out[n] = out.data_ptr();
+    ++n;
+  }
+  if (n == 0) return;
+  column_sum_kernel<T><<<dim3(static_cast<unsigned>((C + 31) / 32), n), dim3(32, 32), 0, stream>>>(
+      sums, chunks, C);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -793,8 +814,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     at::Tensor part_w, part_b;
     int64_t chunks = 0;
     auto finish = [&]() {
-      if (weight_grad) sum_partials<T>(part_w, chunks, C, dw, stream);
-      if (bias_grad) sum_partials<T>(part_b, chunks, C, db, stream);
+      sum_partials<T>({{weight_grad ? part_w : at::Tensor(), dw},
+                       {bias_grad ? part_b : at::Tensor(), db}}, chunks, C, stream);
     };
     auto run = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
@@ -934,9 +955,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bdr_layer
           gp, xp, wp, bp, mean.data_ptr<float>(), rstd.data_ptr<float>(), resp, dxp, ptr(part_w),
           ptr(part_b), rows, C, false, gyp, ptr(part_g), drop, rng.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (weight_grad) sum_partials<T>(part_w, grid, C, dw, stream);
-      if (ln_bias_grad) sum_partials<T>(part_b, grid, C, dlb, stream);
-      if (bias_grad) sum_partials<T>(part_g, grid, C, dbias, stream);
+      sum_partials<T>({{part_w, dw}, {part_b, dlb}, {part_g, dbias}}, grid, C, stream);
     };
     if (nv == 1) {
       launch(ln_bwd_rows_kernel<T, VEC, 1, true>);
