@@ -522,16 +522,16 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// Sum of per-block column partials [chunks, C] (float) into out [C] (T). Block (32, 32):
-// threadIdx.x picks the column, threadIdx.y a strided subset of the chunks; the 32 subtotals are
-// added in a fixed order (deterministic).
 // Up to three [chunks, C] float32 partial arrays and their [C] outputs, summed by one launch.
 struct ColumnSums {
   const float* part[3];
   void* out[3];
 };
 
-// out[a][c] = the fixed-order sum over chunks of part[a][:, c]; blockIdx.y picks the array a.
+// Sum of per-block column partials: out[a] [C] (T) = the column sums of part[a] [chunks, C]
+// (float), the array a picked by blockIdx.y. Block (32, 32): threadIdx.x picks the column,
+// threadIdx.y a strided subset of the chunks; the 32 subtotals are added in a fixed order
+// (deterministic).
 template <typename T>
 __global__ void __launch_bounds__(1024)
     column_sum_kernel(ColumnSums sums, int64_t chunks, int64_t C) {
