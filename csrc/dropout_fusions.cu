@@ -162,15 +162,7 @@ __global__ void __launch_bounds__(kLanes* kRowThreads)
     float xv[W], rv[W], o[W];
     load_chunk<T, VEC>(x + row * C, col0, C, xv);
     load_chunk<T, VEC>(res + row * C, col0, C, rv);
-    if (drop.enabled) {
-      bool keep[W];
-      keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
-#pragma unroll
-      for (int i = 0; i < W; ++i) o[i] = rv[i] + (keep[i] ? (xv[i] + b[i]) * drop.scale : 0.f);
-    } else {
-#pragma unroll
-      for (int i = 0; i < W; ++i) o[i] = rv[i] + (xv[i] + b[i]);
-    }
+    bias_dropout_residual_values<W>(xv, b, rv, drop, seed, offset, row, col0, C, o);
     store_chunk<T, VEC>(out + row * C, col0, C, o);
   }
 }

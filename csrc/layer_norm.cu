@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
                           row, eps);
 }
 
-// Fused pre-LN sublayer boundary: x = residual + dropout(y + bias) (exactly the
-// bias_dropout_residual kernel's values and Philox mask, csrc/dropout_fusions.cu), stored, then
+// Fused pre-LN sublayer boundary: x = residual + dropout(y + bias) (the bias_dropout_residual
+// kernel's values and Philox mask: bias_dropout_residual_values), stored, then
 // h = LayerNorm(x) of the stored (rounded) x, as the two kernels one after the other compute it,
 // without reading x back. 16-byte vectors only (VEC = 8 fp16/bf16, 4 fp32: whole Philox words).
 template <typename T, int VEC, int NV>
@@ -220,15 +220,8 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) bv[i] = 0.f;
       }
-      if (drop.enabled) {
-        bool keep[VEC];
-        keep_mask<VEC>(seed, offset, row, static_cast<int64_t>(j) * VEC, C, drop.threshold, keep);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = rv[i] + (keep[i] ? (yv[i] + bv[i]) * drop.scale : 0.f);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) o[i] = rv[i] + (yv[i] + bv[i]);
-      }
+      bias_dropout_residual_values<VEC>(yv, bv, rv, drop, seed, offset, row,
+                                        static_cast<int64_t>(j) * VEC, C, o);
       store_vec<T, VEC>(x_out + off, o);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[k][i] = to_float(from_float<T>(o[i]));  // the stored x

@@ -1,7 +1,7 @@
 // Dropout arguments shared by the kernels that draw a Philox mask (dropout fusions, embedding,
 // short attention): the keep threshold and scale of a probability p, the generator state of one
-// launch, and its unpacking on the device (valid under CUDA graph capture). The mask itself is
-// lsf::keep_mask in device_utils.cuh.
+// launch, its unpacking on the device (valid under CUDA graph capture), and the values of
+// residual + dropout(x + bias). The mask itself is lsf::keep_mask in device_utils.cuh.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "check.h"
+#include "device_utils.cuh"
 
 namespace lsf {
 
@@ -51,6 +52,28 @@ __device__ __forceinline__ void unpack_seed(const at::PhiloxCudaState& st, bool 
     auto so = at::cuda::philox::unpack(st);
     seed = std::get<0>(so);
     offset = std::get<1>(so);
+  }
+}
+
+// o = residual + dropout(x + bias) for the W columns starting at col0 (a multiple of 4) of `row`:
+// the values of bias_dropout_residual_fwd, which the fused LayerNorm boundary reproduces bit for
+// bit by calling this too.
+template <int W>
+__device__ __forceinline__ void bias_dropout_residual_values(const float (&x)[W],
+                                                             const float (&bias)[W],
+                                                             const float (&res)[W],
+                                                             const DropoutArgs& drop,
+                                                             uint64_t seed, uint64_t offset,
+                                                             int64_t row, int64_t col0, int64_t C,
+                                                             float (&o)[W]) {
+  if (drop.enabled) {
+    bool keep[W];
+    keep_mask<W>(seed, offset, row, col0, C, drop.threshold, keep);
+#pragma unroll
+    for (int i = 0; i < W; ++i) o[i] = res[i] + (keep[i] ? (x[i] + bias[i]) * drop.scale : 0.f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) o[i] = res[i] + (x[i] + bias[i]);
   }
 }
 

@@ -26,8 +26,7 @@ def bias_dropout_residual_layer_norm(y, bias, residual, weight, ln_bias, dropout
         if fused_boundary_fits(y, bias, residual, weight, ln_bias):
             return bias_dropout_residual_layer_norm_cuda(y, bias, residual, weight, ln_bias,
                                                          dropout_p, training, eps)
-        x = bias_dropout_residual(y, bias, residual, dropout_p, training)
-        h, x = layer_norm_residual(x, weight, ln_bias, eps)
-        return x, h
-    return bias_dropout_residual_layer_norm_reference(y, bias, residual, weight, ln_bias,
-                                                      dropout_p, training, eps)
+    # the pair, each op on its own path (its kernel, or on the CPU its reference)
+    x = bias_dropout_residual(y, bias, residual, dropout_p, training)
+    h, x = layer_norm_residual(x, weight, ln_bias, eps)
+    return x, h
