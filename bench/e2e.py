@@ -2,8 +2,12 @@
 """End-to-end training throughput: fairseq's transformer vs ls_transformer, real fairseq-train.
 
 On a GPU machine this script
-  1. builds a synthetic corpus shaped like WMT14 en-de after joined BPE (lognormal sentence
-     lengths, mean ~29 subwords, tail to 250; Zipf token frequencies over a ~32k vocabulary),
+  1. builds a synthetic corpus shaped like WMT14 en-de after joined BPE (lognormal line
+     lengths, mean ~29 tokens, tail to 250) that a model can learn: lines of
+     ``bench/learnable_corpus.py`` sentences (a deterministic transduction, ~22k joined word
+     types), so every run also shows a falling loss (``--corpus zipf``: random Zipf tokens over a
+     ~32k vocabulary, whose loss stops at the unigram entropy; the corpus of the figures before
+     2026-11-26),
   2. binarises it with fairseq-preprocess,
   3. runs fairseq-train for every variant and --max-tokens, --epochs (2) epochs each: epoch 1
      sees every batch shape for the first time ("unseen shapes"), the last epoch repeats them
@@ -58,6 +62,7 @@ import time
 
 import numpy as np
 
+import learnable_corpus
 import profile_summary
 
 FLOP_PER_TOKEN = 1.27e9
@@ -124,10 +129,26 @@ def wmt_like_lengths(rng, n):
     return src_len, tgt_len
 
 
-def make_corpus(workdir, sentences, vocab, seed=1):
-    """WMT14-like lengths and Zipf token frequencies, as fairseq-preprocess input text."""
+def make_corpus(workdir, sentences, vocab, seed=1, learnable=True):
+    """WMT14-like lengths, as fairseq-preprocess input text. ``learnable``: lines of
+    ``learnable_corpus`` sentences (a deterministic transduction with ~22k joined word types,
+    so the loss falls as the model learns it); otherwise random Zipf tokens over ``vocab`` types
+    (the loss stops at their unigram entropy)."""
     rng = np.random.default_rng(seed)
     os.makedirs(workdir, exist_ok=True)
+    if learnable:
+        gen = learnable_corpus.Generator(learnable_corpus.Lexicon(), rng)
+        lengths = []
+        for split, n in (("train", sentences), ("valid", 500)):
+            src_len, _ = wmt_like_lengths(rng, n)
+            with open(os.path.join(workdir, f"{split}.en"), "w") as fs, \
+                    open(os.path.join(workdir, f"{split}.de"), "w") as ft:
+                for length in src_len:
+                    s, t = gen.line_of_length(int(length))
+                    fs.write(s + "\n")
+                    ft.write(t + "\n")
+                    lengths.append(len(s.split()))
+        return float(np.mean(lengths))
     ranks = np.arange(1, vocab + 1, dtype=np.float64)
     p = 1.0 / ranks**1.05
     p /= p.sum()
@@ -547,9 +568,13 @@ def profile_markdown(profiles):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
+    ap.add_argument("--workdir", default=None,
+                    help="corpus and logs (default /tmp/ls_bench_e2e_<corpus>_<sentences>)")
     ap.add_argument("--sentences", type=int, default=40000, help="training pairs (sets the epoch length)")
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--corpus", choices=("learnable", "zipf"), default="learnable",
+                    help="learnable: bench/learnable_corpus.py sentences in WMT-length lines (the "
+                         "loss falls); zipf: random Zipf tokens over --vocab types (it does not)")
+    ap.add_argument("--vocab", type=int, default=32000, help="--corpus zipf: token types")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--largest", type=int, nargs=3, metavar=("LOW", "HIGH", "STEP"), default=None,
                     help="instead of --max-tokens: per variant, the largest multiple of STEP in "
@@ -572,10 +597,12 @@ def main():
     ap.add_argument("extra", nargs="*", help="extra fairseq-train flags (after --)")
     args = ap.parse_args()
 
+    args.workdir = args.workdir or f"/tmp/ls_bench_e2e_{args.corpus}_{args.sentences}"
     log_dir = args.log_dir or os.path.join(args.workdir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     t0 = time.time()
-    mean_len = make_corpus(args.workdir, args.sentences, args.vocab) if not os.path.exists(
+    mean_len = make_corpus(args.workdir, args.sentences, args.vocab,
+                           learnable=args.corpus == "learnable") if not os.path.exists(
         os.path.join(args.workdir, "train.en")) else None
     data = preprocess(args.workdir, args.workers)
     print(f"corpus ready in {time.time() - t0:.0f}s (mean source length {mean_len})", flush=True)

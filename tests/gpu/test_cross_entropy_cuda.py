@@ -112,6 +112,84 @@ def test_forward_backward_vs_fairseq(n, v, dtype, eps):
     _check("op nll", got[1], t_nll, ref[1], torch.float32)
 
 
+def _peaked(n, v, dtype, seed):
+    """Logits shaped like a trained decoder's: a confident target (up to +10), end-of-sentence
+    slightly likely everywhere, 8% end-of-sentence and 12% padding targets."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(n, v, generator=g, device=DEV) * 2.0 - 2.0
+    target = torch.randint(4, v, (n,), generator=g, device=DEV)
+    target[torch.rand(n, generator=g, device=DEV) < 0.08] = 2
+    target[torch.rand(n, generator=g, device=DEV) < 0.12] = PAD
+    x[torch.arange(n, device=DEV), target] += torch.rand(n, generator=g, device=DEV) * 10
+    x[:, 2] += 1.0
+    return x.to(dtype), target
+
+
+def _aggregate_errors(g, g64, gfs, target, smoothing, feats):
+    """What the elementwise check cannot see, for gradient ``g`` against float64 truth ``g64``,
+    each bounded by fairseq's own error (``gfs``, 2x) or by a fraction of the smoothing term:
+    {name: (error, bound)}."""
+    n = g.shape[0]
+    keep = target.ne(PAD)
+    off_target = torch.ones_like(g, dtype=torch.bool)
+    off_target[torch.arange(n, device=DEV), target] = False
+    off_target &= keep[:, None]
+    bias = lambda x: (x - g64)[off_target].mean().abs().item()  # noqa: E731
+    rows = lambda x: (x.sum(1) - g64.sum(1))[keep].abs().max().item()  # noqa: E731
+    cols = lambda x: (x[:, :4].sum(0) - g64[:, :4].sum(0)).abs().max().item()  # noqa: E731
+    w64 = g64.t() @ feats
+    emb = lambda x: ((x.t() @ feats - w64).norm() / w64.norm()).item()  # noqa: E731
+    return {"mean signed error": (bias(g), max(2 * bias(gfs), 0.02 * smoothing)),
+            "row sums": (rows(g), 2 * rows(gfs) + 1e-6),
+            "special columns": (cols(g), 2 * cols(gfs) + 1e-3 * smoothing * n),
+            "embedding gradient": (emb(g), 2 * emb(gfs) + 1e-7)}
+
+
+def _bias_case(dtype, v, n=2048, scale=128.0, eps=0.1):
+    logits, target = _peaked(n, v, dtype, seed=v)
+    _, _, g64 = _fairseq(logits, target, eps, wl=scale, truth=True)
+    _, _, gfs = _fairseq(logits, target, eps, wl=scale)
+    feats = torch.randn(n, 512, device=DEV, dtype=torch.float64)
+    return logits, target, g64, gfs.to(dtype).double(), scale * eps / (v - 1), feats
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("v", [27280, 32000, 40003])
+def test_gradient_has_no_bias_where_the_elementwise_check_is_blind(dtype, v):
+    """The smoothing part of each gradient element is tiny (loss scale x eps / (V - 1), ~4e-4 at
+    fairseq's initial scale 128), far under the elementwise tolerance above, yet summed over V
+    columns and every token it moves whole rows of the output embedding. So, at real vocabulary
+    sizes and fp16/bf16: the mean signed error of the non-target elements (under 2% of the
+    smoothing term, or 2x fairseq's), each row's gradient sum (zero in exact arithmetic), the
+    column sums of the special symbols (bos, pad, eos, unk) and the gradient of the output
+    embedding (grad^T @ features) must be as close to float64 truth as fairseq's own path is."""
+    logits, target, g64, gfs, smoothing, feats = _bias_case(dtype, v)
+    x = logits.clone().requires_grad_()
+    (_cuda().label_smoothed_cross_entropy_rows_cuda(x, target, 0.1, PAD)[0].sum() * 128.0
+     ).backward()
+    errors = _aggregate_errors(x.grad.double(), g64, gfs, target, smoothing, feats)
+    assert all(err <= bound for err, bound in errors.values()), errors
+
+
+@pytest.mark.parametrize("mutant", ["smoothing 5% high", "smoothing missing in half the vectors"])
+def test_the_aggregate_checks_catch_plausible_kernel_bugs(mutant):
+    """The checks above can fail: gradients with a plausible kernel bug (eps / (V - 1) off by 5%;
+    the smoothing term missing from every other 16-byte vector of a row), rounded to fp16 as a
+    kernel would write them, are rejected."""
+    dtype, v = torch.float16, 32000
+    logits, target, g64, gfs, smoothing, feats = _bias_case(dtype, v)
+    keep = target.ne(PAD)[:, None]
+    bad = g64.clone()
+    if mutant == "smoothing 5% high":
+        bad -= 0.05 * smoothing * keep
+        bad[torch.arange(len(target), device=DEV), target] += 0.05 * smoothing * v * keep[:, 0]
+    else:
+        cols = (torch.arange(v, device=DEV) // 8) % 2 == 1
+        bad += smoothing * cols * keep
+    errors = _aggregate_errors(bad.to(dtype).double(), g64, gfs, target, smoothing, feats)
+    assert any(err > bound for err, bound in errors.values()), errors
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [1, 3, 5])
 @pytest.mark.parametrize("v", [7, 1001, 32001, 32000])

@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""Translation-quality parity: fairseq's baseline against the ls_ components, by BLEU and length.
+
+Loss curves cannot show a model that translates worse at the same loss (over-long, looping
+outputs); BLEU and the hypothesis/reference length ratio can. This script trains every variant
+below with real ``fairseq-train`` on a learnable corpus for a fixed number of updates, several
+seeds each, decodes the test set with ``fairseq-generate`` (beam search), and reports per seed
+and as mean ± s.d.: sacreBLEU, length ratio, the share of hypotheses with a repeated 3-gram
+("loops"), and the final validation loss. Each variant's mean is compared with the baseline's:
+the acceptance rule is |Δ BLEU| ≤ 0.5 and |Δ length ratio| ≤ 0.03.
+
+Variants (fairseq's recipe otherwise: shared embeddings, adam (0.9, 0.98), inverse_sqrt,
+label smoothing 0.1, weight decay 1e-4, --fp16; by default a 3+3-layer, 256-wide Transformer,
+1000 updates of 4096 tokens, lr 1e-3, dropout 0.1):
+
+=================  ==================  =================================  ==========
+name               --arch              --criterion                        --optimizer
+=================  ==================  =================================  ==========
+baseline           transformer         label_smoothed_cross_entropy       adam
+arch               ls_transformer      label_smoothed_cross_entropy       adam
+criterion          transformer         ls_label_smoothed_cross_entropy    adam
+optimizer          transformer         label_smoothed_cross_entropy       ls_adam
+crit_opt           transformer         ls_label_smoothed_cross_entropy    ls_adam
+ls                 ls_transformer      ls_label_smoothed_cross_entropy    ls_adam
+ls_fast            ``ls`` + --ls-fused-fp16-copy --ls-cuda-graphs --ls-deferred-overflow-check
+ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
+=================  ==================  =================================  ==========
+
+Corpus: ``--corpus synthetic`` (default) generates ``bench/learnable_corpus.py``'s deterministic
+transduction (~11k word types a side, Zipf frequencies, agreement, reordering, length change);
+``--corpus DIR`` takes tokenised text ``DIR/{train,valid,test}.{SRC,TGT}`` (e.g. a real parallel
+corpus); BLEU is then scored against ``DIR/test.TGT``.
+
+Runs go ``--jobs`` at a time on the one GPU (small models leave it mostly idle, so concurrent
+runs cost little each: the default 21 runs take about 8 minutes on an H100). Every finished run
+prints its JSON row at once, so a call cut short still reports what finished. Decoding uses
+fairseq-generate's own length limit (200 tokens), so a looping hypothesis counts in full.
+
+    python bench/quality.py --json docs/results/quality.json --markdown $OUT/quality.md
+"""
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+USER_DIR = os.path.join(ROOT, "ls_fairseq")
+
+FAIRSEQ = ("transformer", "label_smoothed_cross_entropy", "adam")
+VARIANTS = {
+    "baseline": dict(arch="transformer", criterion="label_smoothed_cross_entropy",
+                     optimizer="adam"),
+    "arch": dict(arch="ls_transformer", criterion="label_smoothed_cross_entropy",
+                 optimizer="adam"),
+    "criterion": dict(arch="transformer", criterion="ls_label_smoothed_cross_entropy",
+                      optimizer="adam"),
+    "optimizer": dict(arch="transformer", criterion="label_smoothed_cross_entropy",
+                      optimizer="ls_adam"),
+    "crit_opt": dict(arch="transformer", criterion="ls_label_smoothed_cross_entropy",
+                     optimizer="ls_adam"),
+    "ls": dict(arch="ls_transformer", criterion="ls_label_smoothed_cross_entropy",
+               optimizer="ls_adam"),
+}
+VARIANTS["ls_fast"] = dict(VARIANTS["ls"], flags=[
+    "--ls-fused-fp16-copy", "--ls-cuda-graphs", "--ls-deferred-overflow-check"])
+VARIANTS["ls_off"] = dict(VARIANTS["ls"], env={"LS_FAIRSEQ_KERNELS": "off"})
+DEFAULT_VARIANTS = "baseline,arch,criterion,optimizer,ls,ls_fast,ls_off"
+
+# model sizes: fairseq's transformer options (the ls_ architectures take the same)
+MODELS = {
+    "tiny": ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+             "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+             "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
+             "--decoder-attention-heads", "2"],  # a smoke test of the pipeline, on the CPU
+    "small": ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256",
+              "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
+              "--decoder-ffn-embed-dim", "1024", "--encoder-attention-heads", "4",
+              "--decoder-attention-heads", "4"],
+    "base": [],  # fairseq's transformer (6+6 layers, 512, 2048, 8 heads)
+}
+
+MAX_BLEU_DELTA = 0.5
+MAX_LENGTH_RATIO_DELTA = 0.03
+
+
+def preprocess(text_dir, src, tgt, dest, workers=8):
+    if os.path.exists(os.path.join(dest, f"dict.{src}.txt")):
+        return dest
+    subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang",
+         tgt, "--trainpref", os.path.join(text_dir, "train"), "--validpref",
+         os.path.join(text_dir, "valid"), "--testpref", os.path.join(text_dir, "test"),
+         "--destdir", dest, "--joined-dictionary", "--workers", str(workers)],
+        check=True, capture_output=True)
+    return dest
+
+
+def train_cmd(a, data, variant, seed, save_dir):
+    v = VARIANTS[variant]
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.train", data, "--arch", v["arch"],
+        "--share-all-embeddings", "--optimizer", v["optimizer"], "--adam-betas", "(0.9, 0.98)",
+        "--clip-norm", "0.0", "--lr", str(a.lr), "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", str(a.warmup_updates), "--dropout", str(a.dropout),
+        "--weight-decay", "0.0001", "--criterion", v["criterion"], "--label-smoothing", "0.1",
+        "--max-tokens", str(a.max_tokens), "--max-update", str(a.max_update),
+        "--fp16" if a.cuda else "--cpu", "--seed", str(seed), "--save-dir", save_dir, "--no-epoch-checkpoints",
+        "--no-last-checkpoints", "--save-interval", "100000", "--validate-interval", "100000",
+        "--log-format", "simple", "--log-interval", "100", "--no-progress-bar",
+        "--num-workers", "0",
+    ] + MODELS[a.model]
+    if (v["arch"], v["criterion"], v["optimizer"]) != FAIRSEQ:
+        cmd += ["--user-dir", USER_DIR]
+    return cmd + v.get("flags", [])
+
+
+def generate_cmd(a, data, variant, save_dir):
+    # fairseq-generate's own length limit (200 tokens): a looping hypothesis shows in full
+    cmd = [sys.executable, "-m", "fairseq_cli.generate", data, "--path",
+           os.path.join(save_dir, "checkpoint_best.pt"), "--gen-subset", "test", "--beam",
+           str(a.beam), "--lenpen", str(a.lenpen), "--batch-size", "128"] + (
+               [] if a.cuda else ["--cpu"])
+    v = VARIANTS[variant]
+    if (v["arch"], v["criterion"], v["optimizer"]) != FAIRSEQ:  # its config names ls_ parts
+        cmd += ["--user-dir", USER_DIR]
+    return cmd
+
+
+VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \| nll_loss ([0-9.]+)")
+UPDATES = re.compile(r"num_updates (\d+)")
+
+
+def parse_train_log(text):
+    valid = VALID_LINE.findall(text)
+    updates = UPDATES.findall(text)
+    return dict(valid_loss=float(valid[-1][0]) if valid else None,
+                valid_nll=float(valid[-1][1]) if valid else None,
+                updates=int(updates[-1]) if updates else None,
+                overflows=text.count("gradient overflow detected"))
+
+
+def parse_generate(text):
+    """{sentence id: hypothesis} and {sentence id: reference} of fairseq-generate's output."""
+    hyps, refs = {}, {}
+    for line in text.splitlines():
+        if line.startswith("H-"):
+            sid, _score, hyp = (line[2:].split("\t") + ["", ""])[:3]
+            hyps[int(sid)] = hyp
+        elif line.startswith("T-"):
+            sid, ref = (line[2:].split("\t", 1) + [""])[:2]
+            refs[int(sid)] = ref
+    return hyps, refs
+
+
+def repeats_ngram(tokens, n=3):
+    seen = set()
+    for i in range(len(tokens) - n + 1):
+        g = tuple(tokens[i:i + n])
+        if g in seen:
+            return True
+        seen.add(g)
+    return False
+
+
+def score(hyps, refs):
+    """sacreBLEU (13a tokenisation) and length ratio of the hypotheses against the references
+    (lists in the same order), and the share of hypotheses with a repeated 3-gram."""
+    import sacrebleu
+
+    # the corpora are word-level tokenised on purpose; 13a splits nothing more there
+    bleu = sacrebleu.corpus_bleu(hyps, [refs], force=True)
+    loops = sum(repeats_ngram(h.split()) for h in hyps) / max(len(hyps), 1)
+    return dict(bleu=bleu.score, length_ratio=bleu.sys_len / bleu.ref_len, loops=loops,
+                sys_len=bleu.sys_len, ref_len=bleu.ref_len)
+
+
+def run_one(a, data, variant, seed, raw_refs, lock):
+    name = f"{variant}_s{seed}"
+    run_dir = os.path.join(a.workdir, "runs", name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **VARIANTS[variant].get("env", {}))
+    row = dict(variant=variant, seed=seed)
+    t0 = time.time()
+    with open(os.path.join(run_dir, "train.log"), "w") as log:
+        rc = subprocess.run(train_cmd(a, data, variant, seed, run_dir), stdout=log,
+                            stderr=subprocess.STDOUT, env=env).returncode
+    row["train_s"] = round(time.time() - t0, 1)
+    with open(os.path.join(run_dir, "train.log")) as f:
+        row.update(parse_train_log(f.read()))
+    if rc != 0 or not os.path.exists(os.path.join(run_dir, "checkpoint_best.pt")):
+        row["error"] = f"fairseq-train exit {rc} (see {run_dir}/train.log)"
+    else:
+        t1 = time.time()
+        # plain fairseq (the baseline's decoder) loads its checkpoints only with torch's
+        # unsafe loader under torch >= 2.6; the same loader for every variant
+        gen = subprocess.run(generate_cmd(a, data, variant, run_dir), capture_output=True,
+                             text=True, env=dict(env, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"))
+        with open(os.path.join(run_dir, "generate.txt"), "w") as f:
+            f.write(gen.stdout + gen.stderr)
+        hyps, refs = parse_generate(gen.stdout)
+        row["generate_s"] = round(time.time() - t1, 1)
+        if gen.returncode != 0 or not hyps:
+            row["error"] = f"fairseq-generate exit {gen.returncode} (see {run_dir}/generate.txt)"
+        else:
+            ids = sorted(hyps)
+            ref_text = raw_refs if raw_refs is not None else refs
+            row.update(score([hyps[i] for i in ids], [ref_text[i] for i in ids]))
+        if not a.keep_checkpoints:
+            os.remove(os.path.join(run_dir, "checkpoint_best.pt"))
+    with lock:
+        print("QUALITY_ROW " + json.dumps(row), flush=True)
+    return row
+
+
+def mean_sd(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def summarize(rows, variants):
+    """One summary per variant: mean/sd of each metric and the verdict against the baseline."""
+    out, base = {}, None
+    for v in variants:
+        good = [r for r in rows if r["variant"] == v and "bleu" in r]
+        s = dict(variant=v, n=len(good), failed=sum(1 for r in rows
+                                                    if r["variant"] == v and "bleu" not in r))
+        for k in ("bleu", "length_ratio", "loops", "valid_loss"):
+            s[k], s[k + "_sd"] = mean_sd([r.get(k) for r in good])
+        out[v] = s
+    base = out.get("baseline")
+    for v, s in out.items():
+        if v == "baseline" or base is None or base["n"] == 0 or s["n"] == 0:
+            continue
+        s["d_bleu"] = s["bleu"] - base["bleu"]
+        s["d_length_ratio"] = s["length_ratio"] - base["length_ratio"]
+        s["pass"] = abs(s["d_bleu"]) <= MAX_BLEU_DELTA and \
+            abs(s["d_length_ratio"]) <= MAX_LENGTH_RATIO_DELTA and s["n"] >= 3
+    return out
+
+
+def fmt(m, sd, digits):
+    return "–" if m is None else f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def tables(rows, summary, seeds):
+    lines = ["| variant | n | BLEU | length ratio | loops | valid loss | Δ BLEU | Δ length | "
+             "verdict |", "|---|---:|---|---|---|---|---:|---:|---|"]
+    for v, s in summary.items():
+        verdict = "reference" if v == "baseline" else (
+            "–" if "pass" not in s else ("pass" if s["pass"] else "**FAIL**"))
+        d_b = f"{s['d_bleu']:+.2f}" if "d_bleu" in s else ""
+        d_l = f"{s['d_length_ratio']:+.3f}" if "d_length_ratio" in s else ""
+        lines.append(f"| {v} | {s['n']} | {fmt(s['bleu'], s['bleu_sd'], 2)} | "
+                     f"{fmt(s['length_ratio'], s['length_ratio_sd'], 3)} | "
+                     f"{fmt(s['loops'], s['loops_sd'], 3)} | "
+                     f"{fmt(s['valid_loss'], s['valid_loss_sd'], 3)} | {d_b} | {d_l} | "
+                     f"{verdict} |")
+    lines += ["", "| variant | seed | BLEU | length ratio | loops | valid loss | updates | "
+              "overflows | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (list(summary).index(r["variant"]), r["seed"])):
+        if "bleu" not in r:
+            lines.append(f"| {r['variant']} | {r['seed']} | {r.get('error', 'failed')} |||||||")
+            continue
+        lines.append(f"| {r['variant']} | {r['seed']} | {r['bleu']:.2f} | "
+                     f"{r['length_ratio']:.3f} | {r['loops']:.3f} | {r['valid_loss']} | "
+                     f"{r['updates']} | {r['overflows']} | {r['train_s']} |")
+    return "\n".join(lines)
+
+
+def cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_name():
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", default="synthetic",
+                   help="'synthetic' (bench/learnable_corpus.py) or a directory of tokenised "
+                        "text {train,valid,test}.{SRC,TGT}")
+    p.add_argument("--langs", default="en,de", help="SRC,TGT file suffixes of --corpus DIR")
+    p.add_argument("--train-sentences", type=int, default=120000,
+                   help="synthetic corpus: training pairs")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--model", choices=sorted(MODELS), default="small")
+    p.add_argument("--max-update", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-updates", type=int, default=400)
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="0.1: the synthetic task is deterministic and needs little regularisation "
+                        "(it converges within the default updates); 0.3 for real text")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--lenpen", type=float, default=1.0)
+    p.add_argument("--jobs", type=int, default=11, help="runs at a time on the GPU")
+    p.add_argument("--workdir", default="/tmp/ls_quality")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--json", help="write the rows and summary here")
+    p.add_argument("--markdown", help="write the tables here")
+    p.add_argument("--commit", default=os.environ.get("LS_BENCH_COMMIT", "unknown"))
+    a = p.parse_args(argv)
+
+    a.cuda = cuda_available()
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    if "baseline" not in variants:
+        variants.insert(0, "baseline")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    src, tgt = a.langs.split(",")
+    os.makedirs(a.workdir, exist_ok=True)
+    t0 = time.time()
+    if a.corpus == "synthetic":
+        sys.path.insert(0, HERE)
+        import learnable_corpus
+
+        text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
+        if not os.path.exists(os.path.join(text_dir, "test.de")):
+            learnable_corpus.write_corpus(text_dir, train=a.train_sentences)
+        src, tgt = "en", "de"
+    else:
+        text_dir = a.corpus
+    data = preprocess(text_dir, src, tgt, os.path.join(text_dir, "bin"))
+    with open(os.path.join(text_dir, f"test.{tgt}")) as f:
+        raw_refs = dict(enumerate(line.rstrip("\n") for line in f))
+    print(f"corpus ready in {time.time() - t0:.0f}s: {data}", flush=True)
+
+    if any(VARIANTS[v]["arch"].startswith("ls_") for v in variants) and \
+            os.environ.get("LS_FAIRSEQ_KERNELS", "auto") != "off":
+        t1 = time.time()  # build the extension once, before the runs load it concurrently
+        sys.path.insert(0, ROOT)
+        from ls_fairseq.ops import _extension
+
+        print("extension", "ok" if _extension.load() else "FAILED: " +
+              _extension.failure_reason()[-2000:], f"{time.time() - t1:.0f}s", flush=True)
+
+    lock = threading.Lock()
+    jobs = [(v, s) for s in seeds for v in variants]  # every variant's seed 1 first
+    with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        rows = list(pool.map(lambda vs: run_one(a, data, vs[0], vs[1], raw_refs, lock), jobs))
+
+    summary = summarize(rows, variants)
+    text = tables(rows, summary, seeds)
+    head = (f"Quality parity: {device_name()}, {datetime.date.today()}, commit {a.commit}, "
+            f"corpus {a.corpus}, model {a.model}, {a.max_update} updates of {a.max_tokens} "
+            f"tokens, beam {a.beam}, seeds {a.seeds}; {time.time() - t0:.0f}s in all")
+    print("\n" + head + "\n\n" + text, flush=True)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(head + "\n\nCommand: `python bench/quality.py " + " ".join(
+                argv if argv is not None else sys.argv[1:]) + "`\n\n" + text + "\n")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(dict(device=device_name(), date=str(datetime.date.today()),
+                           commit=a.commit, corpus=a.corpus, model=a.model,
+                           max_update=a.max_update, max_tokens=a.max_tokens, beam=a.beam,
+                           seeds=seeds, rows=rows, summary=summary), f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

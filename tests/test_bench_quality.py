@@ -1,0 +1,190 @@
+"""bench/quality.py and bench/learnable_corpus.py on the CPU: the corpus (deterministic, ~11k word
+types a side with Zipf frequencies, target lengths that differ from the source's, WMT-length lines
+for bench/e2e.py), the command lines of each variant, the parsing of fairseq's logs, the scores,
+the verdict against the baseline (closed-form rows), and one tiny real run of the whole pipeline
+(fairseq-preprocess, fairseq-train, fairseq-generate, sacreBLEU) with a fairseq and an ls_ variant.
+"""
+import collections
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+import learnable_corpus  # noqa: E402
+import quality  # noqa: E402
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def test_corpus_is_deterministic_and_seeded(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    learnable_corpus.write_corpus(a, train=300, valid=20, test=20, seed=5)
+    learnable_corpus.write_corpus(b, train=300, valid=20, test=20, seed=5)
+    learnable_corpus.write_corpus(c, train=300, valid=20, test=20, seed=6)
+    for name in ("train.en", "train.de", "test.en", "test.de"):
+        assert _read(a / name) == _read(b / name)
+    assert _read(a / "train.en") != _read(c / "train.en")
+    assert len(_read(a / "train.en")) == len(_read(a / "train.de")) == 300
+
+
+def test_lexicon_sizes_and_sides_disjoint():
+    lex = learnable_corpus.Lexicon()
+    src = {w for words in lex.src.values() for w in words}
+    tgt = {t for tokens, _ in lex.noun for t in tokens} | set(lex.adj) | set(lex.adv) | \
+        {stem for stem, _ in lex.verb} | {p for p, _ in lex.prep}
+    assert len(src) >= 10000 and len(tgt) >= 10000
+    assert not src & tgt  # nothing can be copied from the source
+    # one translation per source word (the transduction is a function of the source)
+    assert len(lex.src["noun"]) == len(lex.noun) and len(lex.src["verb"]) == len(lex.verb)
+
+
+def test_zipf_frequencies_and_length_change():
+    gen = learnable_corpus.Generator(learnable_corpus.Lexicon(), np.random.default_rng(0))
+    pairs = [gen.sentence() for _ in range(4000)]
+    nouns = set(gen.lex.src["noun"])
+    counts = collections.Counter(w for s, _ in pairs for w in s.split() if w in nouns)
+    freq = [counts[w] for w in gen.lex.src["noun"][:200]]
+    # rank 1 vs rank 10 vs rank 100 of a rank^-1 law: about 10x apart each
+    assert 5 < freq[0] / max(freq[9], 1) < 20 and 4 < sum(freq[:10]) / max(sum(freq[90:110]), 1)
+    ratio = [len(t.split()) / len(s.split()) for s, t in pairs]
+    assert sum(r != 1.0 for r in ratio) > 0.5 * len(ratio)
+    assert 1.0 < float(np.mean(ratio)) < 1.25
+
+
+def test_simple_clauses_follow_the_rules():
+    """Sentences of the form DET NOUN VERB DET NOUN . translate, by the lexicon alone, to
+    DET' NOUN' VERB' DET' NOUN' [PARTICLE] . with each determiner agreeing with its noun's
+    gender (compound nouns give two tokens, separable verbs a particle at the end)."""
+    lex = learnable_corpus.Lexicon()
+    index = {c: {w: i for i, w in enumerate(lex.src[c])} for c in ("noun", "verb")}
+    gen = learnable_corpus.Generator(lex, np.random.default_rng(3))
+    checked = particles = compounds = 0
+    for _ in range(3000):
+        s, t = gen.sentence()
+        words = s.split()
+        if len(words) != 6:
+            continue
+        d1, n1, v, d2, n2, _ = words
+        (t1, g1), (t2, g2) = lex.noun[index["noun"][n1]], lex.noun[index["noun"][n2]]
+        stem, particle = lex.verb[index["verb"][v]]
+        want = [learnable_corpus.DET_TABLE[(d1, g1, 0)]] + t1 + [stem] + \
+            [learnable_corpus.DET_TABLE[(d2, g2, 0)]] + t2 + ([particle] if particle else []) + ["."]
+        assert t.split() == want
+        checked += 1
+        particles += particle is not None
+        compounds += len(t1) + len(t2) > 2
+    assert checked > 100 and particles > 0 and compounds > 0
+
+
+def test_wmt_length_lines():
+    gen = learnable_corpus.Generator(learnable_corpus.Lexicon(), np.random.default_rng(1))
+    for length in (1, 5, 30, 120):
+        got = [len(gen.line_of_length(length)[0].split()) for _ in range(40)]
+        assert min(got) >= 1
+        if length >= 30:
+            assert abs(np.mean(got) - length) < 0.2 * length
+
+
+def _args(**kw):
+    base = dict(lr=7e-4, warmup_updates=500, dropout=0.3, max_tokens=4096, max_update=100,
+                model="small", cuda=True, beam=5, lenpen=1.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_variant_command_lines():
+    a = _args()
+    base = quality.train_cmd(a, "bin", "baseline", 1, "run")
+    assert "--user-dir" not in base and "--fp16" in base
+    assert base[base.index("--arch") + 1] == "transformer"
+    arch = quality.train_cmd(a, "bin", "arch", 1, "run")
+    assert arch[arch.index("--arch") + 1] == "ls_transformer"
+    assert arch[arch.index("--criterion") + 1] == "label_smoothed_cross_entropy"
+    assert "--user-dir" in arch
+    for name, flag, value in (("criterion", "--criterion", "ls_label_smoothed_cross_entropy"),
+                              ("optimizer", "--optimizer", "ls_adam")):
+        cmd = quality.train_cmd(a, "bin", name, 1, "run")
+        assert cmd[cmd.index(flag) + 1] == value and cmd[cmd.index("--arch") + 1] == "transformer"
+    fast = quality.train_cmd(a, "bin", "ls_fast", 3, "run")
+    for flag in ("--ls-fused-fp16-copy", "--ls-cuda-graphs", "--ls-deferred-overflow-check"):
+        assert flag in fast
+    assert fast[fast.index("--seed") + 1] == "3"
+    assert quality.VARIANTS["ls_off"]["env"] == {"LS_FAIRSEQ_KERNELS": "off"}
+    cpu = quality.train_cmd(_args(cuda=False), "bin", "baseline", 1, "run")
+    assert "--cpu" in cpu and "--fp16" not in cpu
+    assert "--user-dir" not in quality.generate_cmd(a, "bin", "baseline", "run")
+    assert "--user-dir" in quality.generate_cmd(a, "bin", "optimizer", "run")
+
+
+def test_log_parsing():
+    log = ("2026 | INFO | train | epoch 004 | loss 2.1 | num_updates 1500 | lr 0.0005\n"
+           "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 32\n"
+           "2026 | INFO | valid | epoch 004 | valid on 'valid' subset | loss 2.04 | nll_loss 0.092"
+           " | ppl 1.07 | num_updates 1500\n")
+    assert quality.parse_train_log(log) == dict(valid_loss=2.04, valid_nll=0.092, updates=1500,
+                                                overflows=1)
+    gen = "S-1\ta b\nT-1\tx y\nH-1\t-0.5\tx y z\nD-1\t-0.5\tx y z\nH-0\t-0.1\tq\nT-0\tq\n"
+    hyps, refs = quality.parse_generate(gen)
+    assert hyps == {1: "x y z", 0: "q"} and refs == {1: "x y", 0: "q"}
+
+
+def test_scores():
+    refs = ["a b c d e f g h", "i j k l m n o p"]
+    same = quality.score(refs, refs)
+    assert same["bleu"] == pytest.approx(100.0) and same["length_ratio"] == 1.0
+    assert same["loops"] == 0.0
+    long = quality.score([refs[0] + " a b c a b c", refs[1]], refs)
+    assert long["length_ratio"] == pytest.approx(22 / 16) and long["loops"] == 0.5
+    assert long["bleu"] < 100.0
+
+
+def _rows(variant, bleus, ratios):
+    return [dict(variant=variant, seed=i + 1, bleu=b, length_ratio=r, loops=0.0, valid_loss=2.0,
+                 updates=100, overflows=0, train_s=1.0)
+            for i, (b, r) in enumerate(zip(bleus, ratios))]
+
+
+def test_verdict_against_the_baseline():
+    rows = (_rows("baseline", [90.0, 91.0, 92.0], [1.0, 1.0, 1.0])
+            + _rows("criterion", [90.6, 91.6, 92.6], [1.0, 1.0, 1.0])     # +0.6 BLEU: fails
+            + _rows("optimizer", [90.6, 91.4, 91.0], [1.02, 1.02, 1.02])  # +0.0, +0.02: passes
+            + _rows("arch", [91.0, 91.0, 91.0], [1.04, 1.04, 1.04])       # +0.04 length: fails
+            + _rows("ls", [91.0, 91.0], [1.0, 1.0])                       # two seeds: fails
+            + [dict(variant="ls_off", seed=1, error="fairseq-train exit 1")])
+    s = quality.summarize(rows, ["baseline", "criterion", "optimizer", "arch", "ls", "ls_off"])
+    assert s["baseline"]["bleu"] == pytest.approx(91.0) and s["baseline"]["bleu_sd"] == \
+        pytest.approx(1.0)
+    assert s["criterion"]["d_bleu"] == pytest.approx(0.6) and not s["criterion"]["pass"]
+    assert s["optimizer"]["pass"] and s["optimizer"]["d_length_ratio"] == pytest.approx(0.02)
+    assert not s["arch"]["pass"] and not s["ls"]["pass"]
+    assert s["ls_off"]["n"] == 0 and s["ls_off"]["failed"] == 1 and "pass" not in s["ls_off"]
+    table = quality.tables(rows, s, [1, 2, 3])
+    assert "| criterion | 3 |" in table and "**FAIL**" in table and "fairseq-train exit 1" in table
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end_on_cpu(tmp_path):
+    """fairseq-preprocess, -train and -generate for a fairseq and an ls_ variant (tiny model, a
+    few updates: the pipeline, not the quality), then the tables and the JSON."""
+    out = tmp_path / "q.json"
+    summary = quality.main(["--train-sentences", "600", "--model", "tiny", "--max-update", "8",
+                            "--max-tokens", "512", "--warmup-updates", "4", "--variants",
+                            "baseline,ls", "--seeds", "1", "--jobs", "2", "--workdir",
+                            str(tmp_path / "w"), "--json", str(out), "--markdown",
+                            str(tmp_path / "q.md")])
+    data = json.loads(out.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["baseline", "ls"]
+    for r in data["rows"]:
+        assert "error" not in r, r
+        assert r["updates"] == 8 and r["valid_loss"] > 0 and 0 <= r["bleu"] <= 100
+        assert r["sys_len"] > 0 and r["ref_len"] > 0
+    assert summary["ls"]["n"] == 1 and "pass" in summary["ls"]
+    assert "| baseline | 1 |" in (tmp_path / "q.md").read_text()
