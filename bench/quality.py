@@ -33,7 +33,7 @@ transduction (~11k word types a side, Zipf frequencies, agreement, reordering, l
 corpus); BLEU is then scored against ``DIR/test.TGT``.
 
 Runs go ``--jobs`` at a time on the one GPU (small models leave it mostly idle, so concurrent
-runs cost little each: the default 21 runs take about 7.5 minutes on an H100). Every finished run
+runs cost little each: the default 21 runs take about 6.5 minutes on an H100). Every finished run
 prints its JSON row at once, so a call cut short still reports what finished. Decoding uses
 fairseq-generate's own length limit (200 tokens), so a looping hypothesis counts in full.
 
