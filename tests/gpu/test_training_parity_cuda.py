@@ -77,7 +77,8 @@ def logs(tmp_path_factory):
         out = p.stdout + p.stderr
         assert p.returncode == 0, out[-3000:]
         inner = [json.loads(m) for m in re.findall(r"\| train_inner \| (\{.*\})", out)]
-        valid = [float(json.loads(m)["valid_loss"]) for m in re.findall(r"\| valid \| (\{.*\})", out)]
+        valid = [float(json.loads(m)["valid_loss"])
+                 for m in re.findall(r"\| valid \| (\{.*\})", out)]
         return name, ({int(r["num_updates"]): r for r in inner}, valid)
 
     with ThreadPoolExecutor(len(RUNS)) as pool:
