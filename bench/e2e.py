@@ -141,13 +141,9 @@ def make_corpus(workdir, sentences, vocab, seed=1, learnable=True):
         lengths = []
         for split, n in (("train", sentences), ("valid", 500)):
             src_len, _ = wmt_like_lengths(rng, n)
-            with open(os.path.join(workdir, f"{split}.en"), "w") as fs, \
-                    open(os.path.join(workdir, f"{split}.de"), "w") as ft:
-                for length in src_len:
-                    s, t = gen.line_of_length(int(length))
-                    fs.write(s + "\n")
-                    ft.write(t + "\n")
-                    lengths.append(len(s.split()))
+            pairs = learnable_corpus.write_split(
+                workdir, split, (gen.line_of_length(int(length)) for length in src_len))
+            lengths += [len(s.split()) for s, _ in pairs]
         return float(np.mean(lengths))
     ranks = np.arange(1, vocab + 1, dtype=np.float64)
     p = 1.0 / ranks**1.05
@@ -165,15 +161,19 @@ def make_corpus(workdir, sentences, vocab, seed=1, learnable=True):
     return float(src_len.mean())
 
 
-def preprocess(workdir, workers):
+def preprocess(workdir, workers, src="en", tgt="de"):
+    """Binarises ``workdir/{train,valid[,test]}.{src,tgt}`` into ``workdir/bin`` (joined
+    dictionary; test when its file exists) unless that was done already; returns the folder."""
     dest = os.path.join(workdir, "bin")
-    if os.path.exists(os.path.join(dest, "dict.en.txt")):
+    if os.path.exists(os.path.join(dest, f"dict.{src}.txt")):
         return dest
+    test = os.path.join(workdir, "test")
     subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang",
-         "de", "--trainpref", os.path.join(workdir, "train"), "--validpref",
+        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang",
+         tgt, "--trainpref", os.path.join(workdir, "train"), "--validpref",
          os.path.join(workdir, "valid"), "--destdir", dest, "--joined-dictionary",
-         "--workers", str(workers)],
+         "--workers", str(workers)] + (
+             ["--testpref", test] if os.path.exists(f"{test}.{src}") else []),
         check=True, capture_output=True,
     )
     return dest

@@ -178,22 +178,24 @@ class Generator:
                 " ".join(w for _, t in pairs for w in t))
 
 
+def write_split(outdir, split, pairs):
+    """Writes (source, target) line pairs to ``outdir/{split}.en`` and ``.de``; returns them."""
+    pairs = list(pairs)
+    for side, lang in ((0, "en"), (1, "de")):
+        with open(os.path.join(outdir, f"{split}.{lang}"), "w") as f:
+            f.writelines(pair[side] + "\n" for pair in pairs)
+    return pairs
+
+
 def write_corpus(outdir, train=120000, valid=1000, test=1000, seed=1, lexicon_seed=1234):
     """Writes ``{train,valid,test}.{en,de}`` under ``outdir``; returns the number of word types
     seen on each side of the training data."""
     os.makedirs(outdir, exist_ok=True)
     gen = Generator(Lexicon(lexicon_seed), np.random.default_rng(seed))
-    types = (set(), set())
     for split, n in (("train", train), ("valid", valid), ("test", test)):
-        with open(os.path.join(outdir, f"{split}.en"), "w") as fs, \
-                open(os.path.join(outdir, f"{split}.de"), "w") as ft:
-            for _ in range(n):
-                s, t = gen.sentence()
-                fs.write(s + "\n")
-                ft.write(t + "\n")
-                if split == "train":
-                    types[0].update(s.split())
-                    types[1].update(t.split())
+        pairs = write_split(outdir, split, (gen.sentence() for _ in range(n)))
+        if split == "train":
+            types = [{w for pair in pairs for w in pair[side].split()} for side in (0, 1)]
     return len(types[0]), len(types[1])
 
 

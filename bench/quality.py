@@ -55,6 +55,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 USER_DIR = os.path.join(ROOT, "ls_fairseq")
+sys.path.insert(0, HERE)
+import e2e  # noqa: E402  (its corpus binarisation)
+import learnable_corpus  # noqa: E402
 
 FAIRSEQ = ("transformer", "label_smoothed_cross_entropy", "adam")
 VARIANTS = {
@@ -93,16 +96,10 @@ MAX_BLEU_DELTA = 0.5
 MAX_LENGTH_RATIO_DELTA = 0.03
 
 
-def preprocess(text_dir, src, tgt, dest, workers=8):
-    if os.path.exists(os.path.join(dest, f"dict.{src}.txt")):
-        return dest
-    subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang",
-         tgt, "--trainpref", os.path.join(text_dir, "train"), "--validpref",
-         os.path.join(text_dir, "valid"), "--testpref", os.path.join(text_dir, "test"),
-         "--destdir", dest, "--joined-dictionary", "--workers", str(workers)],
-        check=True, capture_output=True)
-    return dest
+def needs_plugin(variant):
+    """Whether any part of the variant is ls_'s (its config then names them: --user-dir)."""
+    v = VARIANTS[variant]
+    return (v["arch"], v["criterion"], v["optimizer"]) != FAIRSEQ
 
 
 def train_cmd(a, data, variant, seed, save_dir):
@@ -120,7 +117,7 @@ def train_cmd(a, data, variant, seed, save_dir):
         "--log-format", "simple", "--log-interval", "100", "--no-progress-bar",
         "--num-workers", "0",
     ] + MODELS[a.model]
-    if (v["arch"], v["criterion"], v["optimizer"]) != FAIRSEQ:
+    if needs_plugin(variant):
         cmd += ["--user-dir", USER_DIR]
     return cmd + v.get("flags", [])
 
@@ -131,8 +128,7 @@ def generate_cmd(a, data, variant, save_dir):
            os.path.join(save_dir, "checkpoint_best.pt"), "--gen-subset", "test", "--beam",
            str(a.beam), "--lenpen", str(a.lenpen), "--batch-size", "128"] + (
                [] if a.cuda else ["--cpu"])
-    v = VARIANTS[variant]
-    if (v["arch"], v["criterion"], v["optimizer"]) != FAIRSEQ:  # its config names ls_ parts
+    if needs_plugin(variant):
         cmd += ["--user-dir", USER_DIR]
     return cmd
 
@@ -337,8 +333,6 @@ def main(argv=None):
     os.makedirs(a.workdir, exist_ok=True)
     t0 = time.time()
     if a.corpus == "synthetic":
-        sys.path.insert(0, HERE)
-        import learnable_corpus
 
         text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
         if not os.path.exists(os.path.join(text_dir, "test.de")):
@@ -346,7 +340,7 @@ def main(argv=None):
         src, tgt = "en", "de"
     else:
         text_dir = a.corpus
-    data = preprocess(text_dir, src, tgt, os.path.join(text_dir, "bin"))
+    data = e2e.preprocess(text_dir, 8, src, tgt)
     with open(os.path.join(text_dir, f"test.{tgt}")) as f:
         raw_refs = dict(enumerate(line.rstrip("\n") for line in f))
     print(f"corpus ready in {time.time() - t0:.0f}s: {data}", flush=True)
@@ -354,8 +348,7 @@ def main(argv=None):
     if any(VARIANTS[v]["arch"].startswith("ls_") for v in variants) and \
             os.environ.get("LS_FAIRSEQ_KERNELS", "auto") != "off":
         t1 = time.time()  # build the extension once, before the runs load it concurrently
-        sys.path.insert(0, ROOT)
-        from ls_fairseq.ops import _extension
+        from ls_fairseq.ops import _extension  # on the path through e2e
 
         print("extension", "ok" if _extension.load() else "FAILED: " +
               _extension.failure_reason()[-2000:], f"{time.time() - t1:.0f}s", flush=True)
