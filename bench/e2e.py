@@ -72,27 +72,33 @@ sys.path.insert(0, ROOT)
 from ls_fairseq.cli.compare import (  # noqa: E402
     CURVE_FROM, holds_skipped_update, largest_jump, loss_curve, loss_difference, timed_tokens)
 
+_LS = dict(arch="ls_transformer_wmt_en_de_big_t2t", criterion="ls_label_smoothed_cross_entropy",
+           optimizer="ls_adam", cudnn_sdpa=True)
 VARIANTS = {
     "baseline": dict(arch="transformer_wmt_en_de_big_t2t", criterion="label_smoothed_cross_entropy",
                      optimizer="adam", cudnn_sdpa=True),
     "baseline_nocudnn": dict(arch="transformer_wmt_en_de_big_t2t",
                              criterion="label_smoothed_cross_entropy", optimizer="adam",
                              cudnn_sdpa=False),
-    "ls": dict(arch="ls_transformer_wmt_en_de_big_t2t", criterion="ls_label_smoothed_cross_entropy",
-               optimizer="ls_adam", cudnn_sdpa=True, flags=["--ls-fused-fp16-copy"]),
-    "ls_graphs": dict(arch="ls_transformer_wmt_en_de_big_t2t",
-                      criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
-                      cudnn_sdpa=True, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs"]),
-    "ls_plain_fp16": dict(arch="ls_transformer_wmt_en_de_big_t2t",
-                          criterion="ls_label_smoothed_cross_entropy", optimizer="ls_adam",
-                          cudnn_sdpa=True),
+    # the README's command: the ls_ names and nothing else (fused copy, CUDA graphs and the
+    # deferred overflow check are on by default)
+    "ls": dict(_LS),
+    # the same in bf16 (--bf16: no loss scaling)
+    "ls_bf16": dict(_LS, bf16=True),
+    # the three mechanisms required by their flags (what "ls" ran before they were defaults)
+    "ls_flags": dict(_LS, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs",
+                                 "--ls-deferred-overflow-check"]),
+    # eager steps, fused copy only
+    "ls_eager": dict(_LS, flags=["--ls-no-cuda-graphs", "--ls-no-deferred-overflow-check"]),
+    "ls_graphs": dict(_LS, flags=["--ls-no-deferred-overflow-check"]),
+    # the ls_ twins under fairseq's own FP16Optimizer
+    "ls_plain_fp16": dict(_LS, flags=["--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs",
+                                      "--ls-no-deferred-overflow-check"]),
 }
 
-VARIANTS["ls_deferred"] = dict(VARIANTS["ls_graphs"], flags=VARIANTS["ls_graphs"]["flags"] + [
-    "--ls-deferred-overflow-check"])
+VARIANTS["ls_deferred"] = dict(VARIANTS["ls_flags"])
 # the deferred overflow check without CUDA graphs (separates the two in fidelity runs)
-VARIANTS["ls_deferred_eager"] = dict(VARIANTS["ls"], flags=VARIANTS["ls"]["flags"] + [
-    "--ls-deferred-overflow-check"])
+VARIANTS["ls_deferred_eager"] = dict(_LS, flags=["--ls-no-cuda-graphs"])
 # one graph per batch shape, as before --ls-shape-buckets (on by default with --ls-cuda-graphs)
 VARIANTS["ls_deferred_nobuckets"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-shape-buckets", "0"])
@@ -264,7 +270,7 @@ def train_cmd(data, variant, max_tokens, epochs, seed, extra, wrapper=WRAPPER):
         "--lr", "7e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
         "--warmup-init-lr", "1e-07", "--dropout", "0.3", "--weight-decay", "0.0",
         "--criterion", v["criterion"], "--label-smoothing", "0.1", "--max-tokens", str(max_tokens),
-        "--fp16", "--seed", str(seed), "--max-epoch", str(epochs), "--no-save",
+        "--bf16" if v.get("bf16") else "--fp16", "--seed", str(seed), "--max-epoch", str(epochs), "--no-save",
         "--disable-validation", "--log-format", "json", "--log-interval", "10",
         "--num-workers", "2", "--required-batch-size-multiple", "8",
     ]
@@ -409,6 +415,12 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
         row["wps_steady_intervals_fairseq"] = interval_wps(inner, max(epochs))
         row["mfu_steady_intervals"] = mfu(row["wps_steady_intervals"] or 0, args.peak_tflops)
     row["mfu_steady"] = mfu(row.get("wps_steady", 0), args.peak_tflops)
+    # what ls_ runs log themselves (ls_fairseq/flops.py: the architecture's FLOPs of the real
+    # tokens over fairseq's epoch clock, against the GPU's dense 16-bit peak)
+    for e, key in ((1, "unseen"), (max(epochs, default=2), "steady")):
+        for field in ("tflops", "mfu"):
+            if e in epochs and field in epochs[e]:
+                row[f"logged_{field}_{key}"] = float(epochs[e][field])
     row["loss_first"] = float(inner[0]["loss"]) if inner else None
     row["loss_last"] = float(inner[-1]["loss"]) if inner else None
     row["loss_by_update"] = {int(s["num_updates"]): float(s["loss"]) for s in inner
@@ -463,9 +475,9 @@ def markdown(rows):
     lines = ["| max-tokens | variant | wps unseen (epoch 1) | wps steady (last epoch) | "
              "wps steady (intervals) | fairseq's interval wps | wps per epoch | upd/s steady | "
              "peak mem GB | reserved / device GB | MFU steady (intervals) | "
-             "ls_/best-baseline unseen | ls_/best-baseline steady (intervals) | "
+             "logged TFLOP/s / MFU steady | ls_/best-baseline unseen | ls_/best-baseline steady (intervals) | "
              "mem ls_/baseline | device ls_/baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_mt = {}
     for r in rows:
         by_mt.setdefault(r["max_tokens"], {})[r["variant"]] = r
@@ -477,7 +489,7 @@ def markdown(rows):
         base_dev = next((b.get("device_gb") for b in bases), None)
         for name, r in group.items():
             if "error" in r:
-                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | | | | | |")
+                lines.append(f"| {mt} | {name} | {r['error'][:40]!r} | | | | | | | | | | | | | |")
                 continue
             ratio_u = ratio_s = mem = dev = None
             if name.startswith("ls") and best_u:
@@ -493,7 +505,10 @@ def markdown(rows):
                 f"{' / '.join(format(w, ',.0f') for w in r.get('wps_by_epoch', []))} | "
                 f"{fmt(r.get('ups_steady'), '.2f')} | {fmt(r.get('peak_gb'), '.1f')} | "
                 f"{fmt(r.get('reserved_gb'), '.1f')} / {fmt(r.get('device_gb'), '.1f')} | "
-                f"{fmt(r.get('mfu_steady_intervals'), '.1%')} | {fmt(ratio_u, '.2f')}× | "
+                f"{fmt(r.get('mfu_steady_intervals'), '.1%')} | "
+                f"{fmt(r.get('logged_tflops_steady'), '.0f')} / {fmt(r.get('logged_mfu_steady'), '.1f')}"
+                f"{'%' if r.get('logged_mfu_steady') is not None else ''} | "
+                f"{fmt(ratio_u, '.2f')}× | "
                 f"{fmt(ratio_s, '.2f')}× | {fmt(mem, '.2f')} | {fmt(dev, '.2f')} |"
                 .replace("–×", "–"))
     return "\n".join(lines)

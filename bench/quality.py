@@ -23,7 +23,8 @@ criterion          transformer         ls_label_smoothed_cross_entropy    adam
 optimizer          transformer         label_smoothed_cross_entropy       ls_adam
 crit_opt           transformer         ls_label_smoothed_cross_entropy    ls_adam
 ls                 ls_transformer      ls_label_smoothed_cross_entropy    ls_adam
-ls_fast            ``ls`` + --ls-fused-fp16-copy --ls-cuda-graphs --ls-deferred-overflow-check
+ls_bf16            ``ls`` with --bf16 instead of --fp16
+ls_eager           ``ls`` + --ls-no-fused-fp16-copy --ls-no-cuda-graphs --ls-no-deferred-overflow-check
 ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
 =================  ==================  =================================  ==========
 
@@ -74,10 +75,13 @@ VARIANTS = {
     "ls": dict(arch="ls_transformer", criterion="ls_label_smoothed_cross_entropy",
                optimizer="ls_adam"),
 }
-VARIANTS["ls_fast"] = dict(VARIANTS["ls"], flags=[
-    "--ls-fused-fp16-copy", "--ls-cuda-graphs", "--ls-deferred-overflow-check"])
+# ``ls`` runs the README's command: the fused fp16 copy, CUDA graphs and the deferred overflow
+# check are on by default; ``ls_eager`` turns the three off
+VARIANTS["ls_eager"] = dict(VARIANTS["ls"], flags=[
+    "--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs", "--ls-no-deferred-overflow-check"])
+VARIANTS["ls_bf16"] = dict(VARIANTS["ls"], bf16=True)  # --bf16 instead of --fp16 (on a GPU)
 VARIANTS["ls_off"] = dict(VARIANTS["ls"], env={"LS_FAIRSEQ_KERNELS": "off"})
-DEFAULT_VARIANTS = "baseline,arch,criterion,optimizer,ls,ls_fast,ls_off"
+DEFAULT_VARIANTS = "baseline,arch,criterion,optimizer,ls,ls_bf16,ls_eager,ls_off"
 
 # model sizes: fairseq's transformer options (the ls_ architectures take the same)
 MODELS = {
@@ -111,7 +115,7 @@ def train_cmd(a, data, variant, seed, save_dir):
         "--warmup-updates", str(a.warmup_updates), "--dropout", str(a.dropout),
         "--weight-decay", "0.0001", "--criterion", v["criterion"], "--label-smoothing", "0.1",
         "--max-tokens", str(a.max_tokens), "--max-update", str(a.max_update),
-        "--fp16" if a.cuda else "--cpu", "--seed", str(seed), "--save-dir", save_dir,
+        ("--bf16" if v.get("bf16") else "--fp16") if a.cuda else "--cpu", "--seed", str(seed), "--save-dir", save_dir,
         "--no-epoch-checkpoints", "--no-last-checkpoints", "--save-interval", "100000",
         "--validate-interval", "100000",
         "--log-format", "simple", "--log-interval", "100", "--no-progress-bar",

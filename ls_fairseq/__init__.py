@@ -7,12 +7,28 @@ Importing the package registers, in fairseq's registries:
   ``ls_transformer_vaswani_wmt_en_fr_big``, ``ls_transformer_wmt_en_de_big``,
   ``ls_transformer_wmt_en_de_big_t2t``;
 * criterion ``ls_label_smoothed_cross_entropy``;
-* optimizer ``ls_adam``.
+* optimizer ``ls_adam``;
+
+and installs the plugin's changes to fairseq's trainer classes (``fairseq_patches``).
+
+Without torch or fairseq installed it does none of this (``REGISTERED`` is False), so that the
+log-comparison tool ``ls-fairseq-compare`` works with either missing.
 """
-from . import checkpoint_compat
-
-checkpoint_compat.allow_fairseq_checkpoints()
-
-from . import criterions, models, optim  # noqa: E402,F401  (registration side effects)
+import importlib.util
 
 __version__ = "0.1.0"
+
+# The log tools (ls-fairseq-compare) need neither torch nor fairseq: without them, importing the
+# package registers nothing instead of failing. With both installed, registration happens on
+# import, as fairseq's --user-dir expects; any error in it is raised.
+REGISTERED = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("fairseq") is not None
+
+if REGISTERED:
+    from . import checkpoint_compat
+
+    checkpoint_compat.allow_fairseq_checkpoints()
+
+    from . import criterions, models, optim  # noqa: F401  (registration side effects)
+    from . import fairseq_patches
+
+    fairseq_patches.install()

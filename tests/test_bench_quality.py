@@ -114,10 +114,12 @@ def test_variant_command_lines():
                               ("optimizer", "--optimizer", "ls_adam")):
         cmd = quality.train_cmd(a, "bin", name, 1, "run")
         assert cmd[cmd.index(flag) + 1] == value and cmd[cmd.index("--arch") + 1] == "transformer"
-    fast = quality.train_cmd(a, "bin", "ls_fast", 3, "run")
-    for flag in ("--ls-fused-fp16-copy", "--ls-cuda-graphs", "--ls-deferred-overflow-check"):
-        assert flag in fast
-    assert fast[fast.index("--seed") + 1] == "3"
+    eager = quality.train_cmd(a, "bin", "ls_eager", 3, "run")
+    assert eager[-3:] == ["--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs",
+                          "--ls-no-deferred-overflow-check"]
+    assert eager[eager.index("--seed") + 1] == "3"
+    bf16 = quality.train_cmd(a, "bin", "ls_bf16", 3, "run")
+    assert "--bf16" in bf16 and "--fp16" not in bf16 and "--user-dir" in bf16
     assert quality.VARIANTS["ls_off"]["env"] == {"LS_FAIRSEQ_KERNELS": "off"}
     cpu = quality.train_cmd(_args(cuda=False), "bin", "baseline", 1, "run")
     assert "--cpu" in cpu and "--fp16" not in cpu

@@ -90,14 +90,14 @@ def test_cuda_graphs_flag_runs_eagerly_without_cuda(dictionary, caplog):
     identical results). The replay itself is tested on the GPU (tests/gpu/test_cuda_graphs_cuda.py)."""
     task = DummyTask(dictionary)
     kwargs = dict(sentence_avg=False, label_smoothing=0.1, report_accuracy=True)
-    plain = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    plain = LSLabelSmoothedCrossEntropyCriterion(task, ls_no_cuda_graphs=True, **kwargs)
     graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True, **kwargs)
     model = build_model("ls_transformer", dictionary, TINY, seed=3)
     sample = _sample(dictionary, torch.Generator().manual_seed(5))
     with caplog.at_level("WARNING"):
         results = [graphed(model, sample) for _ in range(3)]
     assert sum(r.message.startswith("--ls-cuda-graphs:") for r in caplog.records) == 1
-    assert graphed.graphs.stats["eager"] == 3 and graphed.graphs.stats["captured"] == 0
+    assert graphed.graphs.stats["captured"] == 0 and graphed.graphs.off_reason is None
     want_loss, want_size, want_log = plain(model, sample)
     for loss, size, log in results:
         assert torch.equal(loss, want_loss) and size == want_size
@@ -230,5 +230,31 @@ def test_reduce_metrics_logs_what_fairseq_logs(dictionary, report_accuracy):
         with metrics.aggregate(new_root=True) as agg:
             cls.reduce_metrics(outs)
             values.append(agg.get_smoothed_values())
+    assert values[0].pop("tflops") == 0.0  # the model FLOPs (no wps meter here: no time)
     assert values[0] == values[1]
     assert ("accuracy" in values[0]) == report_accuracy
+
+
+def test_reduce_metrics_logs_model_tflops_and_mfu(dictionary, monkeypatch):
+    """tflops = the logged model FLOPs over the wps meter's time; mfu = its share of the peak of
+    all GPUs, in percent (tests/test_flops.py checks the FLOPs themselves)."""
+    from types import SimpleNamespace
+
+    from fairseq.logging import metrics
+
+    import ls_fairseq.criterions.ls_label_smoothed_cross_entropy as module
+
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(module, "device_peak_tflops", lambda index: 800.0)
+    monkeypatch.setattr(module, "several_workers", lambda: False)
+    logs = [{"loss": 1.0, "nll_loss": 1.0, "ntokens": 10, "nsentences": 2, "sample_size": 10,
+             "ls_flops": 1.5e12}, {"loss": 1.0, "nll_loss": 1.0, "ntokens": 10, "nsentences": 2,
+                                   "sample_size": 10, "ls_flops": 0.5e12}]
+    with metrics.aggregate(new_root=True) as agg:
+        LSLabelSmoothedCrossEntropyCriterion.reduce_metrics(logs)
+        agg.add_meter("wps", SimpleNamespace(elapsed_time=0.004, smoothed_value=0), priority=90)
+        values = agg.get_smoothed_values()
+    assert values["tflops"] == 500.0  # 2e12 FLOPs in 4 ms
+    assert values["mfu"] == 62.5  # of 800 TFLOP/s
+    assert "_ls_flops" not in values

@@ -136,13 +136,9 @@ def _norms_worker(rank):
                                torch.tensor(1.0 + rank * 1e-3)) is not None
     # ls_adam's deferred overflow check needs the late check on several workers
     cfg = SimpleNamespace(criterion=SimpleNamespace(ls_async_stats=False))
-    try:
-        deferred_overflow.refuse_fairseqs_grad_norm_check(cfg)
-        out["deferred_refused"] = ""
-    except ValueError as e:
-        out["deferred_refused"] = str(e)
+    out["deferred_refused"] = deferred_overflow.grad_norm_check_conflict(cfg) or ""
     cfg.criterion.ls_async_stats = True
-    deferred_overflow.refuse_fairseqs_grad_norm_check(cfg)
+    out["deferred_with_async_stats"] = deferred_overflow.grad_norm_check_conflict(cfg)
     return out
 
 
@@ -153,6 +149,7 @@ def test_grad_norm_check_raises_one_update_late_where_fairseq_raises(tmp_path):
         assert r["gather_compares"] is not None and r["compared_once"] is None, rank
         assert "needs --criterion ls_label_smoothed_cross_entropy --ls-async-stats" in \
             r["deferred_refused"], rank
+        assert r["deferred_with_async_stats"] is None, rank
         for case, ours, theirs in zip(NORM_CASES, r["ours"], r["fairseq"]):
             assert (ours is None) == (theirs is None), (rank, case, ours, theirs)
             if theirs is not None:  # fairseq's message, and what it means here
@@ -178,8 +175,8 @@ def test_model_parallel_runs_are_refused():
 
 
 def test_one_process_runs_keep_the_deferred_overflow_check():
-    deferred_overflow.refuse_fairseqs_grad_norm_check(
-        SimpleNamespace(criterion=SimpleNamespace(ls_async_stats=False)))
+    assert deferred_overflow.grad_norm_check_conflict(
+        SimpleNamespace(criterion=SimpleNamespace(ls_async_stats=False))) is None
 
 
 def test_install_is_idempotent_and_keeps_fairseqs_methods_reachable():

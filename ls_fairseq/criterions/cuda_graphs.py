@@ -64,7 +64,7 @@ import weakref
 
 import torch
 
-from .. import grad_buckets
+from .. import grad_buckets, switches
 from ..wrappers import find_wrapper, legacy_ddp_of
 from .graph_memory import MEMORY_CHOICES, GraphMemory
 
@@ -193,6 +193,16 @@ class _EagerBackward(torch.autograd.Function):
         return None, grad
 
 
+def _innermost(model):
+    """The model inside the trainer's wrappers (their ``module`` children)."""
+    for _ in range(8):
+        inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
 class CudaGraphedLoss:
     """Runs ``compute(model, sample) -> (loss, *other tensors or None)`` through CUDA graphs.
 
@@ -201,13 +211,16 @@ class CudaGraphedLoss:
     """
 
     def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0,
-                 capture_first_sighting: bool = False, memory: str = "compact"):
+                 capture_first_sighting: bool = False, memory: str = "compact",
+                 required: bool = False):
         if bucket_mb < 0:
             raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
         if memory not in MEMORY_CHOICES:
             raise ValueError(f"--ls-cuda-graphs-memory must be one of {', '.join(MEMORY_CHOICES)}"
                              f", got {memory!r}")
         self.memory = memory
+        self.required = required  # --ls-cuda-graphs given: where they cannot apply, refuse
+        self.off_reason = None  # why the graphs stepped aside for this run (see applies)
         self.max_graphs = max_graphs
         self.bucket_mb = bucket_mb  # 0: no all-reduce during the backward
         self._graphs = collections.OrderedDict()  # key -> _Graphs, least recently used first
@@ -234,6 +247,38 @@ class CudaGraphedLoss:
         self.stats = collections.Counter()  # eager / captured / replayed calls (for tests/logs)
 
     # -- public ------------------------------------------------------------------------------
+
+    def applies(self, model, sample) -> bool:
+        """Whether this training call may run through the graphs. Where they cannot apply for
+        the run (torch DDP; by default also a model not known to be capturable) they step aside
+        for good with one log line, or, with ``--ls-cuda-graphs`` given, the run is refused.
+        A batch off the GPU runs eagerly (one warning)."""
+        if self.off_reason is not None:
+            return False
+        reason = None
+        if find_wrapper(model, torch.nn.parallel.DistributedDataParallel) is not None:
+            reason = ("torch DistributedDataParallel (--ddp-backend c10d / pytorch_ddp, "
+                      "fairseq's default) all-reduces gradients from per-parameter autograd hooks "
+                      "that graph replay bypasses; use --ddp-backend legacy_ddp (or no_c10d) to "
+                      "keep them")
+        elif not self.required and not getattr(_innermost(model), "supports_cuda_graphs", False):
+            reason = (f"the model ({type(_innermost(model)).__name__}) is not an ls_transformer, "
+                      f"whose training step is known to be capturable; pass --ls-cuda-graphs to "
+                      f"try it anyway")
+        if reason is not None:
+            switches.refuse_or_step_aside(switches.ON if self.required else switches.AUTO,
+                                          "--ls-cuda-graphs", reason, logger)
+            self.off_reason = reason
+            return False
+        target = sample.get("target") if isinstance(sample, dict) else None
+        if torch.is_tensor(target) and not target.is_cuda:
+            if not self._warned_cpu:
+                self._warned_cpu = True
+                log = logger.warning if self.required else logger.info
+                log("--ls-cuda-graphs: the batch is not on a CUDA device; training runs eagerly "
+                    "(no CUDA graphs)")
+            return False
+        return True
 
     def __call__(self, model, sample, compute):
         key = self._key(model, sample)
@@ -295,12 +340,6 @@ class CudaGraphedLoss:
                 logger.warning("--ls-cuda-graphs: the batch is not on a CUDA device; training "
                                "runs eagerly (no CUDA graphs)")
             return None
-        if find_wrapper(model, torch.nn.parallel.DistributedDataParallel) is not None:
-            raise ValueError(
-                "--ls-cuda-graphs cannot run under torch DistributedDataParallel (--ddp-backend "
-                "c10d / pytorch_ddp): it all-reduces gradients from per-parameter autograd "
-                "hooks that graph replay bypasses. Use --ddp-backend legacy_ddp (or no_c10d), "
-                "or drop --ls-cuda-graphs.")
         signature = (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
                      tuple((t.dim(), t.dtype, t.device) for t in tensors))
         return signature, tuple(tuple(t.shape) for t in tensors)

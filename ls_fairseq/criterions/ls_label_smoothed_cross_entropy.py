@@ -29,6 +29,7 @@ Losses, gradients and logged values are those of the unpadded batch.
 (the logged values, the grad-norm agreement check) off the GPU's critical path
 (``ls_fairseq.distributed_stats``).
 """
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -39,8 +40,11 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.dataclass import ChoiceEnum
+from fairseq.logging import metrics
 
-from .. import distributed_stats, ops
+from .. import ops, switches
+from ..distributed_stats import several_workers
+from ..flops import TransformerFlops, device_peak_tflops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from . import shape_buckets
 from .cuda_graphs import CAPTURE_CHOICES, CudaGraphedLoss, captures_first_sighting
@@ -63,9 +67,15 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
     )
     ls_cuda_graphs: bool = field(
         default=False,
-        metadata={"help": "replay the training forward+backward of each batch shape as CUDA "
-                  "graphs (captured as --ls-cuda-graphs-capture says; not with --ddp-backend "
-                  "c10d)"},
+        metadata={"help": "require CUDA graphs (on by default where they apply: an ls_transformer "
+                  "on a GPU, not under --ddp-backend c10d): the training forward+backward of "
+                  "each batch shape is replayed as CUDA graphs, captured as "
+                  "--ls-cuda-graphs-capture says; with this flag a run where they cannot apply "
+                  "is refused"},
+    )
+    ls_no_cuda_graphs: bool = field(
+        default=False, metadata={"help": "turn CUDA graphs off (every training step runs "
+                                 "eagerly; no batch padding to bucketed shapes)"},
     )
     ls_cuda_graphs_capture: ChoiceEnum(list(CAPTURE_CHOICES)) = field(
         default="auto",
@@ -112,13 +122,35 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
     )
 
 
+def log_model_flops(flops: float) -> None:
+    """Log ``tflops`` (model TFLOP/s: the interval's model FLOPs over fairseq's wps clock) and,
+    on a GPU of known peak, ``mfu`` (percent of the dense 16-bit peak of all the run's GPUs)
+    beside fairseq's ``wps``; the FLOPs are summed in a hidden meter."""
+    metrics.log_scalar_sum("_ls_flops", flops, round=0)
+    peak = device_peak_tflops(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    gpus = torch.distributed.get_world_size() if several_workers() else 1
+    metrics.log_derived("tflops", functools.partial(_tflops, scale=1.0), priority=91)
+    if peak:
+        metrics.log_derived("mfu", functools.partial(_tflops, scale=100.0 / (peak * gpus)),
+                            priority=92)
+
+
+def _tflops(meters, scale):
+    """``scale`` × model TFLOP/s over the time of the aggregation's ``wps`` meter."""
+    wps, flops = meters.get("wps"), meters.get("_ls_flops")
+    seconds = getattr(wps, "elapsed_time", 0) if wps is not None else 0
+    if flops is None or not seconds or seconds <= 0:
+        return 0.0
+    return round(scale * flops.sum / seconds / 1e12, 1)
+
+
 @register_criterion(
     "ls_label_smoothed_cross_entropy", dataclass=LSLabelSmoothedCrossEntropyCriterionConfig
 )
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
                  report_accuracy=False, ls_fused_output_ce=False, ls_fused_output_ce_chunk=0,
-                 ls_cuda_graphs=False, ls_cuda_graphs_capture="auto",
+                 ls_cuda_graphs=False, ls_no_cuda_graphs=False, ls_cuda_graphs_capture="auto",
                  ls_cuda_graphs_memory="compact", ls_cuda_graphs_max=256,
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
                  ls_async_stats=False):
@@ -126,19 +158,20 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
-        if ls_cuda_graphs and ls_cuda_graphs_max < 1:
+        graphs = switches.resolve(ls_cuda_graphs, ls_no_cuda_graphs, "--ls-cuda-graphs")
+        use_graphs = graphs != switches.OFF
+        if use_graphs and ls_cuda_graphs_max < 1:
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
         self.shape_buckets = self._shape_buckets(
-            task, ls_shape_buckets, ls_shape_bucket_slack) if ls_cuda_graphs else None
+            task, ls_shape_buckets, ls_shape_bucket_slack) if use_graphs else None
         first_sighting = captures_first_sighting(str(ls_cuda_graphs_capture),
                                                  padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
             max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
-            capture_first_sighting=first_sighting,
-            memory=str(ls_cuda_graphs_memory)) if ls_cuda_graphs else None
-        self.ls_async_stats = ls_async_stats  # read by the trainer methods distributed_stats wraps
-        if ls_async_stats:
-            distributed_stats.install()
+            capture_first_sighting=first_sighting, memory=str(ls_cuda_graphs_memory),
+            required=graphs == switches.ON) if use_graphs else None
+        # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
+        self.ls_async_stats = ls_async_stats
 
     @staticmethod
     def _shape_buckets(task, steps, slack):
@@ -194,20 +227,41 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         """fairseq's, on the host copies of the logged scalars (``host_scalars``): the trainer
         calls this after queuing the optimizer step, and reading the CUDA scalars here would
         wait for that step. Same formulas and rounding; sums in double precision."""
-        super().reduce_metrics([{k: to_host(v) for k, v in log.items()}
-                                for log in logging_outputs])
+        logging_outputs = [{k: to_host(v) for k, v in log.items()} for log in logging_outputs]
+        super().reduce_metrics(logging_outputs)
+        flops = sum(float(log.get("ls_flops", 0)) for log in logging_outputs)
+        if flops > 0:
+            log_model_flops(flops)
 
     def forward(self, model, sample, reduce=True):
         if not reduce:  # per-token losses: fairseq's own path
             return super().forward(model, sample, reduce=False)
-        if self.graphs is not None:  # logged values below come from the unpadded batch
+        if self.graphs is not None and model.training and torch.is_grad_enabled() and \
+                self.graphs.applies(model, sample):
+            # logged values below come from the unpadded batch
             loss, nll_loss, n_correct, total = self.graphs(model, self._padded(model, sample),
                                                            self._losses)
         else:
             loss, nll_loss, n_correct, total = self._losses(model, sample)
         sample_size, logging_output = self._logging_output(loss, nll_loss, sample, n_correct,
                                                            total)
+        if model.training:
+            flops = self._model_flops(model, sample)
+            if flops is not None:
+                logging_output["ls_flops"] = for_logging(flops)
         return loss, sample_size, logging_output
+
+    def _model_flops(self, model, sample):
+        """The batch's model training FLOPs (``ls_fairseq.flops``: real tokens, from the
+        architecture's dimensions) as a device tensor, or None for a model or task without
+        them."""
+        key = id(model)
+        if getattr(self, "_flops_key", None) != key:
+            self._flops_key, self._flops = key, TransformerFlops.of_model(model)
+        src_lengths = sample["net_input"].get("src_lengths")
+        if self._flops is None or not torch.is_tensor(src_lengths):
+            return None
+        return self._flops.of_lengths(src_lengths, sample["target"].ne(self.padding_idx).sum(1))
 
     def _losses(self, model, sample):
         """(loss, nll_loss, n_correct, total) summed over the batch; the last two are None

@@ -6,6 +6,9 @@ same state_dict keys and shapes (checkpoints move between the two with
 built from :mod:`ls_fairseq.modules`, whose layers run the fused ops; the decoder projects the
 encoder output to the cross-attention keys/values of all its layers in one GEMM.
 """
+import functools
+import importlib.util
+import logging
 import math
 from typing import Dict, List, Optional
 
@@ -36,6 +39,8 @@ from ..modules import (
     TransformerEncoderLayer,
 )
 from ..modules.encoder_layer import next_norms
+
+logger = logging.getLogger(__name__)
 
 #: fairseq's set_num_updates implementations that only pass the call on to submodules
 _FORWARDING_HOOKS = (BaseFairseqModel.set_num_updates, FairseqEncoder.set_num_updates)
@@ -327,9 +332,13 @@ class LSTransformerModel(TransformerModel):
 
     Same options as ``transformer`` (``fairseq-train --arch ls_transformer... --help``)."""
 
+    #: its training step has no host synchronisation: the criterion's CUDA graphs may capture it
+    supports_cuda_graphs = True
+
     @classmethod
     def build_model(cls, args, task):
         check_supported(_as_config(args))
+        importlib.import_module("..ops._extension", __package__).announce_device(args)
         return super().build_model(args, task)
 
     def set_num_updates(self, num_updates):
@@ -363,5 +372,30 @@ ARCHITECTURES = {
     "ls_transformer_wmt_en_de_big_t2t": fairseq_archs.transformer_wmt_en_de_big_t2t,
 }
 
+def bf16_without_tpu(args) -> None:
+    """fairseq 0.12 reads ``--bf16`` as "bf16 on a TPU" (its option parsing sets ``--tpu``). On a
+    machine without torch_xla that run could only fail, so for ls_ architectures ``--bf16`` means
+    bf16 on the device fairseq otherwise picks (the GPU, or the CPU with ``--cpu``): the model and
+    batches in bf16, fp32 master weights and Adam moments, no loss scaling. fairseq's option
+    parsing calls the architecture function after setting ``--tpu``, so this is the place."""
+    if not (getattr(args, "bf16", False) and getattr(args, "tpu", False)):
+        return
+    if importlib.util.find_spec("torch_xla") is not None:
+        return  # a TPU machine: fairseq's meaning
+    args.tpu = False
+    logger.info("--bf16: training in bfloat16 on %s (fairseq reads --bf16 as TPU; torch_xla is "
+                "not installed, so ls_fairseq uses the usual device)",
+                "the CPU" if getattr(args, "cpu", False) or not torch.cuda.is_available()
+                else "the GPU")
+
+
+def _architecture(fairseq_arch):
+    @functools.wraps(fairseq_arch)
+    def architecture(args):
+        fairseq_arch(args)
+        bf16_without_tpu(args)
+    return architecture
+
+
 for _name, _fairseq_arch in ARCHITECTURES.items():
-    register_model_architecture("ls_transformer", _name)(_fairseq_arch)
+    register_model_architecture("ls_transformer", _name)(_architecture(_fairseq_arch))

@@ -63,17 +63,18 @@ def guarded_factor(total_norm: torch.Tensor, multiply_factor, max_norm: float):
     return norm, torch.where(torch.isfinite(norm), factor, float("nan"))
 
 
-def refuse_fairseqs_grad_norm_check(cfg) -> None:
-    """Raise unless a run of several workers replaces fairseq's grad-norm agreement check
-    (``ls_label_smoothed_cross_entropy --ls-async-stats``, ``ls_fairseq.distributed_stats``),
-    which would stop it at the first overflow. ``cfg`` is the trainer's whole config."""
+def grad_norm_check_conflict(cfg):
+    """Why the deferred check cannot run, or None: a run of several workers needs fairseq's
+    grad-norm agreement check replaced (``ls_label_smoothed_cross_entropy --ls-async-stats``,
+    ``ls_fairseq.distributed_stats``), which would otherwise stop it at the first overflow.
+    ``cfg`` is the trainer's whole config."""
     if not several_workers():
-        return
+        return None
     if getattr(getattr(cfg, "criterion", None), "ls_async_stats", False):
-        return
-    raise ValueError("--ls-deferred-overflow-check on several GPUs needs --criterion "
-                     "ls_label_smoothed_cross_entropy --ls-async-stats: fairseq's check that the "
-                     "workers' grad norms agree would stop the run at the first fp16 overflow")
+        return None
+    return ("on several GPUs it needs --criterion ls_label_smoothed_cross_entropy "
+            "--ls-async-stats (fairseq's check that the workers' grad norms agree would stop the "
+            "run at the first fp16 overflow)")
 
 
 def _plain(x):
@@ -127,8 +128,18 @@ class PendingOverflowCheck:
     def book(self, scaler) -> None:
         """fairseq's bookkeeping for the update, done now: on overflow, the step counts taken
         back and ``scaler.check_overflow`` (lowers the scale; FloatingPointError at the
-        minimum), otherwise ``scaler.update()``."""
+        minimum), otherwise ``scaler.update()``. Without a scaler (``--bf16``) a non-finite norm
+        raises fairseq's FloatingPointError (the update itself was skipped on the device)."""
         value = float(self._norm.value())
+        if scaler is None:
+            if not math.isfinite(value):
+                for state in self.states:
+                    state["step"] -= 1
+                raise FloatingPointError(
+                    f"gradients are Nan/Inf (grad norm {value} at the previous update, which was "
+                    f"skipped; found one update late: --ls-deferred-overflow-check, or pass "
+                    f"--ls-no-deferred-overflow-check to stop at the update itself)")
+            return
         if math.isfinite(value):
             scaler.update()
             return

@@ -17,7 +17,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
-from .. import ops
+from .. import ops, switches
 from . import deferred_overflow, flat_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -37,18 +37,26 @@ class LSAdamConfig(FairseqDataclass):
     amsgrad: bool = field(default=False, metadata={"help": "not supported by ls_adam"})
     ls_fused_fp16_copy: bool = field(
         default=False,
-        metadata={"help": "with --fp16/--bf16 (fairseq's FP16Optimizer): read the fp16 grads and "
-                  "write the fp16 weights inside the Adam kernel, skipping fairseq's per-tensor "
-                  "fp16<->fp32 copy loops and the flat fp32 grad buffer (opt-in; see "
-                  "docs/PERFORMANCE.md)"},
+        metadata={"help": "require the fused fp16 copy (on by default with --fp16/--bf16 where it "
+                  "applies): ls_adam reads the fp16/bf16 grads and writes the fp16/bf16 weights "
+                  "inside its Adam kernel, instead of fairseq's FP16Optimizer copy loops; with "
+                  "this flag a run where it cannot apply is refused"},
+    )
+    ls_no_fused_fp16_copy: bool = field(
+        default=False, metadata={"help": "turn the fused fp16 copy off (fairseq's FP16Optimizer "
+                                 "copies the grads and weights)"},
     )
     ls_deferred_overflow_check: bool = field(
         default=False,
-        metadata={"help": "with --fp16 and --ls-fused-fp16-copy: test an update's gradients for "
-                  "overflow on the GPU (an overflowing update is skipped there) and book the "
-                  "result in the loss scaler at the next update, so no update waits for the GPU "
-                  "(opt-in: the trainer also counts and logs skipped updates; see "
-                  "ls_fairseq/optim/deferred_overflow.py)"},
+        metadata={"help": "require the deferred overflow check (on by default with the fused fp16 "
+                  "copy where it applies): the update's grad norm is tested on the GPU (an "
+                  "overflowing update is skipped there) and booked in the loss scaler at the next "
+                  "update, so no update waits for the GPU; with this flag a run where it cannot "
+                  "apply is refused (ls_fairseq/optim/deferred_overflow.py)"},
+    )
+    ls_no_deferred_overflow_check: bool = field(
+        default=False, metadata={"help": "turn the deferred overflow check off (every update "
+                                 "reads its grad norm back, as fairseq does)"},
     )
     lr: List[float] = II("optimization.lr")
 
@@ -59,10 +67,14 @@ class FairseqLSAdam(FairseqOptimizer):
         super().__init__(cfg)
         if getattr(cfg, "amsgrad", False):
             raise ValueError("--optimizer ls_adam does not support --amsgrad; use --optimizer adam")
-        if getattr(cfg, "ls_deferred_overflow_check", False) and not (
-                cfg.ls_fused_fp16_copy and not cfg.fp16_adam_stats):
-            raise ValueError("--ls-deferred-overflow-check needs --ls-fused-fp16-copy (and --fp16) "
-                             "and does not support --fp16-adam-stats")
+        switches.resolve(getattr(cfg, "ls_fused_fp16_copy", False),
+                         getattr(cfg, "ls_no_fused_fp16_copy", False), "--ls-fused-fp16-copy")
+        deferred = switches.resolve(getattr(cfg, "ls_deferred_overflow_check", False),
+                                    getattr(cfg, "ls_no_deferred_overflow_check", False),
+                                    "--ls-deferred-overflow-check")
+        if deferred == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
+            raise ValueError("--ls-deferred-overflow-check needs the fused fp16 copy: drop "
+                             "--ls-no-fused-fp16-copy")
         self._optimizer = LSAdam(params, fp16_stats=cfg.fp16_adam_stats, **self.optimizer_config)
         self._logged_flat_all_reduce = False
 
@@ -307,7 +319,7 @@ class LSAdam(torch.optim.Optimizer):
         return loss
 
 
-# ---- fairseq hook for --ls-fused-fp16-copy ----------------------------------------------------
+# ---- the fused fp16 copy (FP16Optimizer built by ls_fairseq.fairseq_patches) ----------------------------------------------------
 
 from fairseq.optim.fp16_optimizer import FP16Optimizer  # noqa: E402
 
@@ -356,14 +368,14 @@ class LSFusedFP16Optimizer(FP16Optimizer):
             self._master = list(fp32_params)
             for p32 in self._master:
                 p32.grad = None
-        self._deferred = bool(getattr(getattr(cfg, "optimizer", None),
-                                      "ls_deferred_overflow_check", False))
-        if self._deferred and self.scaler is None:
-            raise ValueError("--ls-deferred-overflow-check needs --fp16 (dynamic loss scaling); "
-                             "drop it with --bf16")
-        if self._deferred:
-            deferred_overflow.refuse_fairseqs_grad_norm_check(cfg)
+        self._deferred = _defers_overflow_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
+
+    @property
+    def defers_host_reads(self) -> bool:
+        """True when an update leaves its GPU work queued without reading anything back (read by
+        ``fairseq_patches``: fairseq-train's wps is then timed after a wait for the GPU)."""
+        return self._deferred
 
     def _sync_fp16_grads_to_fp32(self):
         self._needs_sync = False  # the kernel reads the fp16 grads directly
@@ -379,6 +391,9 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         """--ls-deferred-overflow-check: fairseq's scaler bookkeeping of the last step, now."""
         pending, self._pending = self._pending, None
         if pending is None:
+            return
+        if self.scaler is None:  # bf16: no scaler; a non-finite norm stops the run, as in fairseq
+            pending.book(None)
             return
         old_scale = self.scaler.loss_scale
         pending.book(self.scaler)
@@ -447,28 +462,49 @@ class LSFusedFP16Optimizer(FP16Optimizer):
             self._multiply_factor = 1.0
 
 
-def _wants_fused_copy(cfg):
+def _defers_overflow_check(cfg) -> bool:
+    """Whether LSFusedFP16Optimizer defers its overflow test (``--ls-deferred-overflow-check``,
+    on by default where it applies). Under ``--bf16`` there is no loss scaler: the deferred test
+    then only stops the run on a non-finite grad norm (one update late), as fairseq's trainer
+    does at once."""
     opt = getattr(cfg, "optimizer", None)
-    return opt is not None and getattr(opt, "_name", None) == "ls_adam" and bool(
-        getattr(opt, "ls_fused_fp16_copy", False))
+    flag = "--ls-deferred-overflow-check"
+    mode = switches.resolve(getattr(opt, "ls_deferred_overflow_check", False),
+                            getattr(opt, "ls_no_deferred_overflow_check", False), flag)
+    if mode == switches.OFF:
+        return False
+    reason = None
+    if getattr(opt, "fp16_adam_stats", False):
+        reason = "it does not support --fp16-adam-stats"
+    else:
+        reason = deferred_overflow.grad_norm_check_conflict(cfg)
+    if reason is not None:
+        switches.refuse_or_step_aside(mode, flag, reason, logger)
+        return False
+    return True
 
 
-def _install_fp16_optimizer_hook():
-    """fairseq's trainer calls ``optim.FP16Optimizer.build_optimizer(cfg, params)`` for --fp16 /
-    --bf16; with ``--optimizer ls_adam --ls-fused-fp16-copy`` that call builds
-    :class:`LSFusedFP16Optimizer` instead (same constructor arguments). Without the flag the
-    hook changes nothing."""
-    if getattr(FP16Optimizer.build_optimizer, "_ls_fairseq_hook", False):
-        return
-    original = FP16Optimizer.build_optimizer.__func__
-
-    def build_optimizer(cls, cfg, params, **kwargs):
-        if cls is FP16Optimizer and _wants_fused_copy(cfg):
-            cls = LSFusedFP16Optimizer
-        return original(cls, cfg, params, **kwargs)
-
-    build_optimizer._ls_fairseq_hook = True
-    FP16Optimizer.build_optimizer = classmethod(build_optimizer)
-
-
-_install_fp16_optimizer_hook()
+def fused_fp16_optimizer_class(cfg):
+    """The FP16Optimizer class fairseq's trainer should build for ``cfg`` (``--fp16``/``--bf16``):
+    :class:`LSFusedFP16Optimizer` for ``--optimizer ls_adam`` where the fused copy applies (it is
+    on by default), else None (fairseq's own). Called by ``ls_fairseq.fairseq_patches``."""
+    opt = getattr(cfg, "optimizer", None)
+    if opt is None or getattr(opt, "_name", None) != "ls_adam":
+        return None
+    flag = "--ls-fused-fp16-copy"
+    mode = switches.resolve(getattr(opt, "ls_fused_fp16_copy", False),
+                            getattr(opt, "ls_no_fused_fp16_copy", False), flag)
+    if mode == switches.OFF:
+        return None
+    reason = None
+    dist_cfg = getattr(cfg, "distributed_training", None)
+    common = getattr(cfg, "common", None)
+    if getattr(dist_cfg, "pipeline_model_parallel", False):
+        reason = "pipeline model parallelism keeps fp32 params on several devices"
+    elif getattr(opt, "fp16_adam_stats", False) and not (
+            torch.cuda.is_available() and not getattr(common, "cpu", False)):
+        reason = "--fp16-adam-stats with a flat fp32 master needs the CUDA kernels"
+    if reason is not None:
+        switches.refuse_or_step_aside(mode, flag, reason, logger)
+        return None
+    return LSFusedFP16Optimizer

@@ -1,0 +1,194 @@
+"""Every change ls_fairseq makes to fairseq's own classes, in one module, installed one way.
+
+fairseq-train builds its ``Trainer`` and ``FP16Optimizer`` by name and has no registry for
+either, so where the plugin must change what they do it wraps one of their methods. Each patch
+below says what it changes, why, and for which runs; every wrapper runs fairseq's own method
+unchanged for any run it does not concern. :func:`install` applies them all, once per process;
+``ls_fairseq/__init__.py`` calls it, so loading the plugin (``--user-dir``) installs them.
+Written against fairseq 0.12.2 (and fairseq-fixed 0.12.3.1, the same code); each wrapper checks
+that the method it wraps exists. Tested in tests/test_fairseq_patches.py.
+
+1. ``FP16Optimizer.build_optimizer`` (fused fp16 copy): with ``--optimizer ls_adam`` under
+   ``--fp16``/``--bf16`` it builds :class:`ls_fairseq.optim.ls_adam.LSFusedFP16Optimizer`
+   (fairseq's per-tensor fp16<->fp32 copy loops folded into the Adam kernel) wherever that
+   applies, unless ``--ls-no-fused-fp16-copy``. Other optimizers: unchanged.
+2. ``Trainer.train_step`` (honest interval wps): fairseq reads a log interval's ``wps`` before
+   its ``gnorm``, and resets the interval's clock after the log. When the update does not wait
+   for the GPU (ls_adam's deferred overflow check), reading ``gnorm`` waits for the queued GPU
+   work, and that wait falls between the wps read and the reset: it counts in no interval, and
+   the logged wps reads high (~7% at ``--log-interval 10``). So at the end of an update that
+   fairseq-train will log, the GPU is waited for first; the wait fairseq's gnorm read would have
+   done anyway, moved before the wps read. Runs whose optimizer reads the gradient norm back
+   every update: unchanged.
+3. ``Trainer._aggregate_logging_outputs`` and ``Trainer._check_grad_norms``
+   (``--ls-async-stats``, several GPUs): :mod:`ls_fairseq.distributed_stats`.
+4. ``Trainer.load_checkpoint`` (resuming the other side's checkpoint): fairseq refuses to resume
+   a checkpoint whose recorded criterion or optimizer class differs from the run's ("please
+   reset the optimizer (--reset-optimizer)", which throws the Adam state away). Where the two
+   are a fairseq component and its ls_ twin, the refusal names ``ls-fairseq-convert ... --to
+   ls|fairseq`` instead (:func:`ls_fairseq.checkpoint_compat.resume_advice`). Where only the
+   fp16 wrapper differs (``FP16Optimizer`` against ls_adam's ``LSFusedFP16Optimizer``, e.g. a
+   checkpoint saved with ``--ls-no-fused-fp16-copy``), whose saved state is the same, the
+   checkpoint is loaded again with its recorded name read as the run's. Every other resume,
+   matching or not: fairseq's method and message, unchanged.
+"""
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_ls_fairseq_patch"
+
+
+def _wrap(cls, name, make_wrapper):
+    """Replace ``cls.name`` by ``make_wrapper(original)`` unless already done."""
+    original = getattr(cls, name, None)
+    if original is None:
+        raise RuntimeError(f"ls_fairseq: fairseq's {cls.__name__}.{name} is missing; this "
+                           f"fairseq version is not supported (fairseq 0.12 is)")
+    if getattr(original, _MARK, False):
+        return
+    wrapper = make_wrapper(original)
+    setattr(wrapper, _MARK, True)
+    setattr(cls, name, wrapper)
+
+
+# ---- 1. FP16Optimizer.build_optimizer -----------------------------------------------------
+
+def _patch_fp16_optimizer():
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    from .optim.ls_adam import fused_fp16_optimizer_class
+
+    original = FP16Optimizer.build_optimizer.__func__  # a classmethod
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def build_optimizer(cls, cfg, params, **kwargs):
+        if cls is FP16Optimizer:
+            cls = fused_fp16_optimizer_class(cfg) or cls
+        return original(cls, cfg, params, **kwargs)
+
+    setattr(build_optimizer, _MARK, True)
+    FP16Optimizer.build_optimizer = classmethod(build_optimizer)
+
+
+# ---- 2. Trainer.train_step ----------------------------------------------------------------
+
+def update_waits_for_gpu(trainer) -> bool:
+    """False when the trainer's update leaves GPU work queued at its end without a host read
+    (ls_adam's deferred overflow check)."""
+    optimizer = getattr(trainer, "_optimizer", None)
+    return not getattr(optimizer, "defers_host_reads", False)
+
+
+def logs_after(trainer) -> bool:
+    """True when fairseq-train logs the interval after the update just done (its test)."""
+    interval = getattr(trainer.cfg.common, "log_interval", 0) or 0
+    return interval > 0 and trainer.get_num_updates() % interval == 0
+
+
+def wait_before_log(trainer, log_output) -> bool:
+    """After ``trainer.train_step``: wait for the GPU if fairseq-train is about to log this
+    update's interval and the update left GPU work queued. Returns whether it waited."""
+    if log_output is None or update_waits_for_gpu(trainer) or not logs_after(trainer):
+        return False
+    device = getattr(trainer, "device", None)
+    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+        return False
+    torch.cuda.synchronize(device)
+    return True
+
+
+def _patch_train_step():
+    from fairseq.trainer import Trainer
+
+    def make(original):
+        @functools.wraps(original)
+        def train_step(self, samples, raise_oom=False):
+            log_output = original(self, samples, raise_oom=raise_oom)
+            wait_before_log(self, log_output)
+            return log_output
+        return train_step
+
+    _wrap(Trainer, "train_step", make)
+
+
+# ---- 3. Trainer's exchanges between workers -----------------------------------------------
+
+def _patch_distributed_stats():
+    from . import distributed_stats
+
+    distributed_stats.install()
+
+
+def install() -> None:
+    """Apply every patch above (idempotent)."""
+    _patch_fp16_optimizer()
+    _patch_train_step()
+    _patch_distributed_stats()
+    _patch_load_checkpoint()
+
+
+# ---- 4. Trainer.load_checkpoint -----------------------------------------------------------
+
+def _reload_with_optimizer_name(original, trainer, name, args, kwargs):
+    """fairseq's load_checkpoint again, with the checkpoint's last recorded optimizer name read
+    as ``name`` (the fp16 wrappers whose saved state is the same; see the module docstring)."""
+    from fairseq import checkpoint_utils
+
+    read = checkpoint_utils.load_checkpoint_to_cpu  # what fairseq's trainer calls, by module
+
+    @functools.wraps(read)
+    def load_checkpoint_to_cpu(*a, **k):
+        state = read(*a, **k)
+        history = state.get("optimizer_history") if isinstance(state, dict) else None
+        if history:
+            history[-1]["optimizer_name"] = name
+        return state
+
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    try:
+        return original(trainer, *args, **kwargs)
+    finally:
+        checkpoint_utils.load_checkpoint_to_cpu = read
+
+
+def _patch_load_checkpoint():
+    from fairseq.trainer import Trainer
+
+    from . import checkpoint_compat
+
+    def make(original):
+        @functools.wraps(original)
+        def load_checkpoint(self, *args, **kwargs):
+            try:
+                return original(self, *args, **kwargs)
+            except AssertionError:
+                # fairseq's "Criterion/Optimizer does not match" (trainer.py, after the optimizer
+                # is rebuilt): the recorded names are in _optim_history
+                history = getattr(self, "_optim_history", None)
+                if not history or getattr(self, "_optimizer", None) is None:
+                    raise
+                saved = history[-1]
+                criterion = type(self.get_criterion()).__name__
+                optimizer = type(self._optimizer).__name__
+                saved_criterion = saved.get("criterion_name")
+                saved_optimizer = saved.get("optimizer_name")
+                if saved_criterion == criterion and saved_optimizer != optimizer and \
+                        checkpoint_compat.optimizer_names_match(saved_optimizer, optimizer):
+                    logger.info(f"ls_fairseq: the checkpoint's optimizer state was saved by "
+                                f"{saved_optimizer}; {optimizer} keeps the same state: loading it")
+                    return _reload_with_optimizer_name(original, self, optimizer, args, kwargs)
+                filename = args[0] if args else kwargs.get("filename", "the checkpoint")
+                advice = checkpoint_compat.resume_advice(
+                    filename, saved_criterion, saved_optimizer, criterion, optimizer)
+                if advice is None:
+                    raise
+                raise ValueError(advice) from None
+        return load_checkpoint
+
+    _wrap(Trainer, "load_checkpoint", make)
