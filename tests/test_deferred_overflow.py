@@ -118,7 +118,7 @@ def test_guarded_factor_is_fairseqs_clip_or_nan(max_norm):
 
 
 @pytest.mark.parametrize("extra, flag", [
-    (["--ls-deferred-overflow-check"], "--ls-fused-fp16-copy"),
+    (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"], "--ls-no-fused-fp16-copy"),
     (DEFERRED + ["--fp16-adam-stats"], "--fp16-adam-stats"),
 ])
 def test_unsupported_combinations_are_clear_errors(extra, flag):
@@ -126,9 +126,40 @@ def test_unsupported_combinations_are_clear_errors(extra, flag):
         _build("ls_adam", extra)
 
 
-def test_bf16_is_a_clear_error():
-    params = _params()
-    cfg = fp16_optimizer_cfg("ls_adam", ["--fp16-no-flatten-grads", *DEFERRED])
-    cfg.common.bf16 = True  # (fairseq 0.12's command line ties --bf16 to --tpu)
-    with pytest.raises(ValueError, match="--ls-deferred-overflow-check needs --fp16"):
-        FP16Optimizer.build_optimizer(cfg, [p.bfloat16() for p in params])
+def test_on_by_default():
+    _, opt = _build("ls_adam", [])
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt._deferred
+    _, opt = _build("ls_adam", ["--ls-no-deferred-overflow-check"])
+    assert isinstance(opt, LSFusedFP16Optimizer) and not opt._deferred
+    _, opt = _build("ls_adam", ["--ls-no-fused-fp16-copy"])
+    assert type(opt) is FP16Optimizer
+
+
+def _build_bf16(optimizer, extra):
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
+    cfg = fp16_optimizer_cfg(optimizer, ["--fp16-no-flatten-grads", *extra])
+    cfg.common.fp16, cfg.common.bf16 = False, True  # what --bf16 gives (ls_ archs: no --tpu)
+    return params, FP16Optimizer.build_optimizer(cfg, params)
+
+
+def test_bf16_matches_fairseq_and_stops_one_update_late_on_non_finite_gradients():
+    """--bf16: no loss scaler. The deferred check reads nothing back; its updates are fairseq's
+    (bf16 weights within one bf16 ulp: the fp32 masters agree to 1e-6), and a non-finite grad
+    norm, which fairseq's trainer turns into FloatingPointError at once, raises it at the next
+    update's backward, the bad update itself skipped on the device."""
+    ref_params, ref = _build_bf16("adam", [])
+    params, opt = _build_bf16("ls_adam", [])
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt._deferred and opt.scaler is None
+    _, ref_norms = fp16_trainer_run(ref, ref_params, 6, 1)
+    _, norms = fp16_trainer_run(opt, params, 6, 1)
+    for a, b in zip(ref_norms, norms):
+        assert float(b) == pytest.approx(float(a), rel=1e-5)
+    for a, b in zip(ref.fp32_params, opt.fp32_params):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(ref_params, params):
+        assert torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=0)
+    before = [p.detach().clone() for p in opt.fp32_params]
+    with pytest.raises(FloatingPointError, match="gradients are Nan/Inf"):
+        fp16_trainer_run(opt, params, 2, 2, overflow_at=(0,))
+    for a, b in zip(before, opt.fp32_params):
+        assert torch.equal(a, b)
