@@ -38,7 +38,8 @@ setup(
         "fairseq-fixed==0.12.3.1",
     ],
     extras_require={
-        "compare": ["pandas", "matplotlib"],
+        # ls-fairseq-compare's table needs only the standard library; its plots need matplotlib
+        "compare": ["matplotlib"],
         "test": ["pytest", "pandas", "matplotlib", "sacrebleu", "subword-nmt", "sacremoses"],
     },
     entry_points={

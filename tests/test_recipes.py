@@ -274,7 +274,8 @@ def test_recipes_end_to_end(prepared, tmp_path, capsys):
     assert rc == 0, text
     assert "| metric | baseline | ls | ls / baseline |" in text
     assert "| updates | 32 | 24 |" in text
-    for row in ("| wps (target tokens/s) |", "| BLEU sacreBLEU (detok) |", "| BLEU tok + compound split |",
+    for row in ("| wps, epoch 1 (cold) |", "| wps (interval mean, all epochs) |",
+                "| BLEU sacreBLEU (detok) |", "| BLEU tok + compound split |",
                 "| final valid loss |"):
         assert row in text
     assert "- baseline: session 2 resumed at update 24" in text  # the restart above

@@ -172,8 +172,10 @@ def test_dummy_rows_and_columns(dictionary):
 @pytest.mark.parametrize("left_pad_source", [True, False])
 def test_ls_criterion_pads_training_batches_only_and_logs_the_unpadded_batch(
         dictionary, left_pad_source, caplog):
-    """Through the ls_ criterion (--ls-cuda-graphs on the CPU runs eagerly) and the ls_ model:
-    the padded run equals the --ls-shape-buckets 0 run; the model saw the padded shapes."""
+    """Through the ls_ criterion and the ls_ model: the padded run equals the
+    --ls-shape-buckets 0 run; the model saw the padded shapes. (On the CPU the graphs step aside
+    and nothing is padded; here they are told they apply, and their calls then run eagerly on
+    the CPU batches: the padding is what is tested.)"""
     task = TranslationLikeTask(dictionary, left_pad_source)
     model = build_model("ls_transformer", dictionary, TINY, seed=2).train()
     seen = []
@@ -184,6 +186,8 @@ def test_ls_criterion_pads_training_batches_only_and_logs_the_unpadded_batch(
     padded = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1, report_accuracy=True,
                                                   ls_cuda_graphs=True, ls_shape_buckets=2,
                                                   ls_shape_bucket_slack=0.5)
+    for crit in (plain, padded):
+        crit.graphs.applies = lambda model, sample: True
     for i, shape in enumerate([(5, 17, 19), (7, 9, 11), (5, 20, 22)]):
         sample = _sample(dictionary, shape, i, left_pad_source)
         loss, log, grads = _loss_and_grads(plain, model, sample)
@@ -210,5 +214,7 @@ def test_not_padded_without_the_tasks_padding_sides(dictionary, caplog):
         assert crit.shape_buckets is None
         assert "--ls-shape-buckets: batches are not padded" in caplog.text
         caplog.clear()
+    assert LSLabelSmoothedCrossEntropyCriterion(TranslationLikeTask(dictionary), False, 0.1,
+                                                ls_no_cuda_graphs=True).shape_buckets is None
     assert LSLabelSmoothedCrossEntropyCriterion(TranslationLikeTask(dictionary), False,
-                                                0.1).shape_buckets is None  # no graphs
+                                                0.1).shape_buckets is not None  # the default

@@ -7,45 +7,72 @@ other side without ``--reset-optimizer``::
 
     ls-fairseq-convert checkpoint_best.pt fairseq_best.pt --to fairseq
     ls-fairseq-convert fairseq_best.pt ls_best.pt --to ls
+
+The config is written as plain dicts and lists: the ``argparse.Namespace`` fairseq keeps in
+``cfg.model`` becomes a dict, which fairseq's ``load_checkpoint_to_cpu`` turns into a config as it
+does with the rest of ``cfg``. So the converted checkpoint loads under torch >= 2.6's
+``weights_only=True`` on a machine with plain fairseq, without ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+(tests/test_convert_checkpoint.py).
+
+Mistakes get one line on stderr and exit status 2, and nothing is written: a missing or
+unreadable input, a file that is not a fairseq checkpoint, a missing output folder, an
+architecture without a twin. The output is written next to its final name and renamed into place.
+torch and fairseq are imported only after the arguments are read (``--help`` needs neither).
 """
 import argparse
+import os
+import re
 import sys
 
-import torch
-
-from ..checkpoint_compat import allow_fairseq_checkpoints
-from ..models.ls_transformer import ARCHITECTURES
-
 PREFIX = "ls_"
-#: fairseq component <-> ls_ twin, as recorded in a checkpoint (config names and class names)
-TWINS = {
-    "label_smoothed_cross_entropy": "ls_label_smoothed_cross_entropy",
-    "adam": "ls_adam",
-    "LabelSmoothedCrossEntropyCriterion": "LSLabelSmoothedCrossEntropyCriterion",
-    "FairseqAdam": "FairseqLSAdam",
-}
+
+
+class ConvertError(Exception):
+    """A mistake in the input or output: its message is the one line the user sees."""
 
 
 def convert_name(name, to: str):
     """Criterion/optimizer names: switch to the twin if there is one, else leave unchanged."""
-    if to == "ls":
-        return TWINS.get(name, name)
-    return {v: k for k, v in TWINS.items()}.get(name, name)
+    from ..checkpoint_compat import twin
+
+    return twin(name, to)
 
 
 def convert_arch(arch: str, to: str) -> str:
+    from ..models.ls_transformer import ARCHITECTURES
+
     if to == "fairseq":
         if not arch.startswith(PREFIX):
-            raise ValueError(f"architecture {arch!r} is not an ls_ architecture")
+            raise ValueError(f"architecture {arch!r} is not an ls_ architecture (already "
+                             "fairseq's?); --to ls converts the other way")
         return arch[len(PREFIX):]
     if arch.startswith(PREFIX):
-        raise ValueError(f"architecture {arch!r} is already an ls_ architecture")
+        raise ValueError(f"architecture {arch!r} is already an ls_ architecture; --to fairseq "
+                         "converts the other way")
     if PREFIX + arch not in ARCHITECTURES:
         raise ValueError(
             f"fairseq architecture {arch!r} has no ls_ twin; supported: "
             + ", ".join(sorted(a[len(PREFIX):] for a in ARCHITECTURES))
         )
     return PREFIX + arch
+
+
+def plain_config(obj):
+    """``obj`` with every ``argparse.Namespace`` and omegaconf container turned into plain dicts
+    and lists (types torch's ``weights_only`` loader accepts)."""
+    if isinstance(obj, argparse.Namespace):
+        return {k: plain_config(v) for k, v in vars(obj).items()}
+    if isinstance(obj, dict):
+        return {k: plain_config(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain_config(v) for v in obj)
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # pragma: no cover - a fairseq dependency
+        return obj
+    if OmegaConf.is_config(obj):
+        return plain_config(OmegaConf.to_container(obj, resolve=True, enum_to_str=True))
+    return obj
 
 
 def convert_state(state: dict, to: str) -> str:
@@ -84,24 +111,138 @@ def convert_state(state: dict, to: str) -> str:
         for key in ("criterion_name", "optimizer_name"):
             if key in entry:
                 entry[key] = convert_name(entry[key], to)
+    if cfg is not None:
+        # loadable with weights_only=True without allow-listing Namespace/DictConfig (legacy
+        # ``args`` stays a Namespace: fairseq reads it as one)
+        state["cfg"] = plain_config(cfg)
     return new_arch
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def weights_only_blockers(obj, found=None):
+    """Names of the types in ``obj`` that torch's ``weights_only`` loader refuses by default
+    (conservative: anything but plain containers, numbers, strings and tensors)."""
+    import collections
+
+    import torch
+
+    found = set() if found is None else found
+    if isinstance(obj, (torch.Tensor, torch.Size, torch.dtype, torch.device)) or obj is None:
+        return found
+    if type(obj) in (str, bytes, int, float, bool, complex):
+        return found
+    if type(obj) in (dict, collections.OrderedDict, collections.Counter):
+        for k, v in obj.items():
+            weights_only_blockers(k, found)
+            weights_only_blockers(v, found)
+        return found
+    if type(obj) in (list, tuple, set):
+        for v in obj:
+            weights_only_blockers(v, found)
+        return found
+    found.add(f"{type(obj).__module__}.{type(obj).__qualname__}")
+    return found
+
+
+def check_paths(input_path: str, output_path: str) -> None:
+    """The mistakes that need no torch: missing input, unreadable input, missing output folder."""
+    if not os.path.exists(input_path):
+        raise ConvertError(f"input {input_path} does not exist")
+    if os.path.isdir(input_path):
+        raise ConvertError(f"input {input_path} is a folder, not a checkpoint file")
+    if not os.access(input_path, os.R_OK):
+        raise ConvertError(f"cannot read input {input_path}: permission denied")
+    if os.path.isdir(output_path):
+        raise ConvertError(f"output {output_path} is a folder: give the file name to write")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise ConvertError(f"output folder {folder} does not exist: create it first")
+    if not os.access(folder, os.W_OK):
+        raise ConvertError(f"cannot write to output folder {folder}: permission denied")
+
+
+def load_checkpoint(path: str) -> dict:
+    """The checkpoint dict, or ConvertError saying why ``path`` is not a fairseq checkpoint."""
+    import torch
+
+    from ..checkpoint_compat import allow_fairseq_checkpoints
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ConvertError(f"cannot read input {path}: {exc.strerror or exc}") from None
+    if not magic.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or a legacy pickle
+        raise ConvertError(f"not a fairseq checkpoint: {path} (not a file written by torch.save)")
+    allow_fairseq_checkpoints()
+    try:
+        state = torch.load(path, map_location="cpu")
+    except OSError as exc:
+        raise ConvertError(f"cannot read input {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - every unpickling failure means "not a checkpoint"
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        reason = (f"it holds {refused.group(1)}, which no fairseq checkpoint holds" if refused
+                  else f"torch.load failed: {type(exc).__name__}: "
+                       f"{(str(exc).strip().splitlines() or [''])[0][:160]}")
+        raise ConvertError(f"not a fairseq checkpoint: {path} ({reason})") from None
+    if not isinstance(state, dict):
+        raise ConvertError(f"not a fairseq checkpoint: {path} holds a {type(state).__name__}, "
+                           "not fairseq's dict of 'model', 'cfg', 'optimizer_history', ...")
+    if "model" not in state or (state.get("cfg") is None and state.get("args") is None):
+        keys = ", ".join(sorted(str(k) for k in state)[:8]) or "none"
+        raise ConvertError(f"not a fairseq checkpoint: {path} has no 'model' and 'cfg' entries "
+                           f"(its keys: {keys})")
+    return state
+
+
+def save_checkpoint(state: dict, path: str) -> None:
+    """torch.save to a temporary name in the output folder, then rename: a failed write leaves
+    nothing behind and never a half-written checkpoint under ``path``."""
+    import torch
+
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConvertError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="ls-fairseq-convert",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("input", help="fairseq checkpoint (.pt)")
     parser.add_argument("output", help="where to write the converted checkpoint")
     parser.add_argument("--to", choices=["fairseq", "ls"], required=True,
                         help="fairseq: ls_X -> X; ls: X -> ls_X")
-    args = parser.parse_args(argv)
-    allow_fairseq_checkpoints()
-    state = torch.load(args.input, map_location="cpu")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)  # before any torch/fairseq import: --help is instant
+
+    def fail(message):
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
     try:
-        new_arch = convert_state(state, args.to)
-    except ValueError as exc:
-        parser.error(str(exc))
-    torch.save(state, args.output)
+        check_paths(args.input, args.output)
+        state = load_checkpoint(args.input)
+        try:
+            new_arch = convert_state(state, args.to)
+        except ValueError as exc:
+            raise ConvertError(f"{args.input}: {exc}") from None
+        blockers = weights_only_blockers(state) if args.to == "fairseq" else set()
+        save_checkpoint(state, args.output)
+    except ConvertError as exc:
+        fail(str(exc))
     print(f"wrote {args.output} with arch {new_arch}")
+    if blockers:
+        print(f"note: it holds {', '.join(sorted(blockers))}: plain fairseq under torch >= 2.6 "
+              "needs TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 to load it (docs/TROUBLESHOOTING.md)")
     return 0
 
 

@@ -15,8 +15,12 @@ learns it in minutes), it
 4. prints the ls-fairseq-compare table and the paths of its plots.
 
 Defaults: on a GPU the real big Transformer (1 GPU, fp16); on CPU a tiny model. Everything lands
-in --workdir (default ./ls_fairseq_quickstart): runs/<name>/train.log, runs/<name>/eval/,
-compare/*.png.
+in --workdir (default ./ls_fairseq_quickstart, or next to the checkout when started inside an
+ls-fairseq source checkout, which it never writes into): runs/<name>/train.log,
+runs/<name>/eval/, compare/*.png.
+
+On CPU the ls_ run takes the PyTorch reference path (the kernels' math, not their speed), so it
+runs at about the baseline's speed; it says so. The speed-ups need a CUDA GPU.
 """
 import argparse
 import json
@@ -179,6 +183,33 @@ RUNS = {
 }
 
 
+WORKDIR_NAME = "ls_fairseq_quickstart"
+#: printed (and shown in train.log by the plugin) when the runs are on the CPU
+CPU_NOTE = ("on CPU the ls_ run takes the PyTorch reference path (the CUDA kernels' math, not "
+            "their speed), so expect about the baseline's speed: the speed-ups need a CUDA GPU")
+
+
+def source_checkout(path):
+    """The root of the ls-fairseq source checkout that holds ``path`` (a folder with setup.py,
+    ls_fairseq/ and csrc/), or None."""
+    path = os.path.abspath(path)
+    while True:
+        if all(os.path.exists(os.path.join(path, p)) for p in ("setup.py", "ls_fairseq", "csrc")):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def default_workdir(cwd=None):
+    """./ls_fairseq_quickstart, except inside a source checkout (``bash scripts/quickstart.sh``
+    from the repository): then beside the checkout, so that no run writes into the source tree."""
+    cwd = os.path.abspath(cwd or os.getcwd())
+    root = source_checkout(cwd)
+    return os.path.join(os.path.dirname(root) if root else cwd, WORKDIR_NAME)
+
+
 def user_dir():
     import ls_fairseq
 
@@ -338,7 +369,8 @@ def evaluate(name, data, save_dir, device):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="ls-fairseq-quickstart", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default="ls_fairseq_quickstart", help="where everything goes (default: %(default)s)")
+    p.add_argument("--workdir", help="where everything goes (default: ./{}, or beside the source "
+                   "checkout when run inside one)".format(WORKDIR_NAME))
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: the first GPU if there is one, else CPU")
     p.add_argument("--size", choices=sorted(MODEL_SIZES), help="model size (default: big on GPU, tiny on CPU)")
@@ -355,7 +387,14 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--fresh", action="store_true",
                    help="regenerate the corpus even if --workdir has one with the same settings")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.run_names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in args.run_names if n not in RUNS]
+    if unknown or not args.run_names:
+        p.error("--runs {!r}: choose from {} (comma-separated)".format(args.runs, ", ".join(RUNS)))
+    if args.workdir and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        p.error("--workdir {} is a file: give a folder".format(args.workdir))
+    return args
 
 
 def main(argv=None):
@@ -366,21 +405,29 @@ def main(argv=None):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no GPU")
+        print("ls-fairseq-quickstart: error: --device cuda: torch sees no GPU; use --device cpu "
+              "or auto", file=sys.stderr)
+        return 2
     gpu = device == "cuda"
     args.size = args.size or ("big" if gpu else "tiny")
     args.train_sentences = args.train_sentences or (200000 if gpu else 20000)
     args.max_update = args.max_update or (1500 if gpu else 600)
     args.max_tokens = args.max_tokens or (8192 if gpu else 2048)
-    names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        raise SystemExit("--runs: unknown run(s) {} (choose from {})".format(unknown, ", ".join(RUNS)))
-    work = os.path.abspath(args.workdir)
-    os.makedirs(work, exist_ok=True)
+    names = args.run_names
+    work = os.path.abspath(args.workdir or default_workdir())
+    try:
+        os.makedirs(work, exist_ok=True)
+    except OSError as exc:
+        print("ls-fairseq-quickstart: error: cannot create --workdir {}: {}".format(
+            work, exc.strerror or exc), file=sys.stderr)
+        return 2
     where = torch.cuda.get_device_name(0) if gpu else "CPU"
     log("device: {} | model: {} | {} updates or {:g} min per model | workdir {}".format(
         where, args.size, args.max_update, args.minutes, work))
+    if "ls" in names:
+        log("plugin: " + user_dir())  # the installed package, unless run from a source tree
+        if not gpu:
+            log(CPU_NOTE)
 
     if args.fresh:
         shutil.rmtree(os.path.join(work, "data"), ignore_errors=True)
@@ -428,6 +475,9 @@ def main(argv=None):
             print("- " + p)
         if not plots:
             print("- none written (is matplotlib installed?)")
+        if not gpu and any(n == "ls" for n, _ in run_dirs):
+            print()
+            log(CPU_NOTE)  # beside the table whose speed ratio it explains
     if failures:
         print("\nFAILED:\n" + "\n".join(failures), file=sys.stderr)
         return 1
