@@ -7,7 +7,7 @@ second sighting (split into the warm-up step, the captured forward and backward,
 
 ``--warm-up once`` (default) is the product's behaviour: the capture stream runs one eager warm-up
 step before its first capture. ``every-shape`` warms it up before every capture, as the product
-did until session 10. Prints a table: median wall ms per phase, synchronised, and how many
+did before one warm-up per stream. Prints a table: median wall ms per phase, synchronised, and how many
 captures failed; then the device memory each further captured shape keeps (its pair of graphs):
 in the allocator's pool (``memory_reserved``) and outside it (``mem_get_info`` used minus
 reserved: the instantiated graphs' own memory), averaged over the shapes after the first.

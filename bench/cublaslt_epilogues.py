@@ -2,7 +2,7 @@
 """Would cuBLASLt's epilogues shorten the backward? GPU time of every algorithm cuBLASLt's
 heuristic offers (up to 8) for the GEMMs of transformer big's backward with and without the
 epilogue that would replace a separate bandwidth-bound kernel (H100/H200 figures and the decision
-in docs/PERFORMANCE.md, session 24):
+in docs/PERFORMANCE.md, "Components"):
 
 * fc2's input gradient (grad [N, 1024] @ W2 [1024, 4096]) plain, with DRELU (the relu/dropout
   backward folded in through a bit-mask) and with DRELU_BGRAD (also fc1's bias gradient);

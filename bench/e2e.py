@@ -102,10 +102,10 @@ VARIANTS["ls_deferred_eager"] = dict(_LS, flags=["--ls-no-cuda-graphs"])
 # one graph per batch shape, as before --ls-shape-buckets (on by default with --ls-cuda-graphs)
 VARIANTS["ls_deferred_nobuckets"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-shape-buckets", "0"])
-# a new padded shape's first sighting runs eagerly, its second is captured (before session 16)
+# a new padded shape's first sighting runs eagerly, its second is captured (the old default)
 VARIANTS["ls_deferred_second"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-cuda-graphs-capture", "second-sighting"])
-# the graphs' memory as PyTorch's allocator manages it by default (before session 17): the pool
+# the graphs' memory as PyTorch's allocator manages it by default (the old default): the pool
 # grows segment by segment, eager steps and the capture stream's warm-up keep their cache
 VARIANTS["ls_deferred_grow"] = dict(VARIANTS["ls_deferred"], flags=VARIANTS["ls_deferred"][
     "flags"] + ["--ls-cuda-graphs-memory", "grow"])
@@ -235,7 +235,7 @@ cli_main()
 
 # The fp16 matrix rate of this GPU, now, next to the call's figures: the baselines measured
 # 72-101k wps at 8192 tokens in different calls, so the machine is one suspect when figures of
-# two calls disagree (session 19's three machines: 669-684 TFLOP/s). In a subprocess: the
+# two calls disagree (three H100 machines once gave 669-684 TFLOP/s). In a subprocess: the
 # benchmark's own process must not hold a CUDA context while fairseq-train measures the largest
 # batch that fits.
 GEMM_PROBE = r"""
@@ -341,9 +341,9 @@ def interval_wps(inner, epoch, ends=None):
     intervals, e.g. workers of a multi-GPU run log intervals the main process does not stamp),
     fairseq's own interval figures, which leave out the wait for the GPU work still queued at each
     log: with no per-update host sync (``--ls-deferred-overflow-check``) that is the last update's
-    backward and optimizer step, about 0.7 of an update per log, so they read high (session 19,
-    ls_ with the deferred check: +7% at 8192 tokens and --log-interval 10, +16% and +37% at 131072
-    tokens and --log-interval 5 and 2; fairseq's baseline, which syncs every update: within 2%)."""
+    backward and optimizer step, about 0.7 of an update per log, so they read high (before the
+    plugin waited for the GPU at logged updates, ls_ with the deferred check read +7% at 8192 tokens
+    and --log-interval 10; fairseq's baseline, which syncs every update: within 2%)."""
     if not stamped(inner, ends):
         rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
         return time_weighted_wps(rows) if rows else None

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """GPU time of the gradient bookkeeping kernels around the replayed backward (H100 figures in
-docs/PERFORMANCE.md, session 22). Prints two tables:
+docs/PERFORMANCE.md). Prints two tables:
 
 * bias gradients of a linear layer, ``g.sum(0)`` (what aten's linear backward runs) against a GEMM
   with a ones vector, ``ones[1, N] @ g``, for the row/column counts of transformer big at ~7.5k and

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Is the steady-state update waiting for the host or for the GPU? (H100 figures in
-docs/PERFORMANCE.md, session 23.)
+docs/PERFORMANCE.md.)
 
 Runs real fairseq-train (``bench/e2e.py``'s corpus, command and wrapper) and times, without a
 profiler, every update of the run's second half (its last epoch, at the default two) on the host

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Can the optimizer step hide under the next step's forward on a side stream? (H100 figures in
-docs/PERFORMANCE.md, session 22.)
+docs/PERFORMANCE.md.)
 
 Adam over transformer-big-sized fp32 tensors (``torch._fused_adam_``: 28 bytes of traffic per
 parameter, like ls_adam's step) runs on a side stream next to a forward-like chain on the current

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a decoder that skips padded target positions would save, and what it would cost in graph
-shapes (CPU only, no training; a design study for issue 6, docs/PERFORMANCE.md session 22).
+shapes (CPU only, no training; a design study for issue 6).
 
 fairseq pads every batch to its longest target, and ``--ls-shape-buckets`` pads the shape further,
 so the decoder and the output projection (~58% of transformer big's FLOPs) compute positions that

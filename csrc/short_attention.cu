@@ -7,7 +7,7 @@
 // Why: at WMT lengths (~30 tokens) attention is memory- and latency-bound and tiny per (batch,
 // head). The general kernels (CUTLASS memory-efficient, FlashAttention) tile for long rows: 64- or
 // 128-row tiles that are mostly padding, several launches and atomics in backward, and dropout
-// drawn per element. Session 11's first version of this file kept the scores in shared memory
+// drawn per element. The first version of this file kept the scores in shared memory
 // (wmma through fp32 tiles); it was no faster end to end.
 //
 // Ops (torch.ops.ls_fairseq.*):

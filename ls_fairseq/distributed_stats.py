@@ -12,7 +12,7 @@ On N > 1 workers, fairseq's ``Trainer.train_step`` does two things every update 
 
 Each wait empties the GPU's queue, and the GPU then idles while the host queues the rest of the
 update and the next forward: 4-6 ms of a 35 ms update at 8192 tokens on 2x H200
-(docs/PERFORMANCE.md, issue 8).
+(docs/PERFORMANCE.md, "Several GPUs").
 
 With the option:
 
@@ -48,12 +48,7 @@ from fairseq import utils
 from fairseq.distributed import utils as distributed_utils
 
 from .host_copy import HostCopy
-
-
-def several_workers() -> bool:
-    """True inside a distributed run of more than one process (fairseq's trainer then exchanges
-    logging outputs and grad norms between them)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+from .workers import several_workers
 
 
 def _applies(trainer) -> bool:

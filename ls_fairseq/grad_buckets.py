@@ -4,7 +4,7 @@ Used by ``--ls-cuda-graphs`` under fairseq's ``--ddp-backend legacy_ddp``/``no_c
 gradients live in flat per-dtype buffers (``criterions/cuda_graphs.py``). Without overlap, each
 buffer is divided and all-reduced once the backward is over (``optim/flat_all_reduce.py``): 1.4 ms
 for transformer big's 420 MB of fp16 gradients on 2x H200, added to every update
-(docs/PERFORMANCE.md, multi-GPU session 7).
+(docs/PERFORMANCE.md, "Several GPUs").
 
 Here the buffers are cut into buckets of about ``bucket_bytes``, in reverse parameter order (the
 order in which the backward completes them, as torch DDP does). A CUDA event marks the point where

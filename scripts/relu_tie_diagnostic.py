@@ -1,4 +1,4 @@
-"""GPU diagnostic (session 21): are fp16 whole-model gradient mismatches ReLU ties?
+"""GPU diagnostic: are fp16 whole-model gradient mismatches ReLU ties?
 
 For tests/gpu/test_model_cuda.py's pre_ln_t2t config with ReLU, run the ls_ model in fp16 and
 fairseq in fp32 (the truth), record each feed-forward block's input in both, and print per layer:
@@ -28,7 +28,7 @@ EL.feed_forward = ff; DL.feed_forward = ff
 
 def check(name, shape, backend, seed):
     os.environ["LS_FAIRSEQ_ATTENTION"] = backend
-    # the config's own activation (ReLU), and session 21's batches (generator seed sum(shape))
+    # the config's own activation (ReLU), and the batches of tests/gpu/test_model_cuda.py (generator seed sum(shape))
     truth, _, ls, batch, up = T.build_case(d, name, torch.float16, shape, seed, batch_seed=sum(shape))
     src, _, prev = batch
     tin = {}

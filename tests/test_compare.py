@@ -354,7 +354,7 @@ def train(data, save_dir, *extra, log_path):
 
 
 def _aborted_after_training(returncode, log_path):
-    """Rarely (once in CI, session 7) plain fairseq-train on the CPU finishes ("done training",
+    """Rarely (once in CI) plain fairseq-train on the CPU finishes ("done training",
     last checkpoint saved) and then aborts while the interpreter shuts down ("terminate called
     without an active exception": a C++ thread still alive at exit). The run itself is complete,
     and what these tests check is its log; any other failure still fails the test."""

@@ -533,7 +533,7 @@ class CudaGraphedLoss:
         micro-batches has been seen, and not under legacy DDP): the gradients are copied into
         the accumulators and those of parameters without a gradient zeroed, so the replay need
         not zero the flat buffers first nor read them (a copy instead of a zeroing pass and an
-        add: ~0.2 ms of an update at 8192 tokens on the H100, docs/PERFORMANCE.md session 22)."""
+        add: ~0.2 ms of an update at 8192 tokens on the H100)."""
         buckets = self._buckets
         left = list(buckets.sizes)
         pairs = [[] for _ in left]
@@ -618,12 +618,12 @@ class CudaGraphedLoss:
         """One eager step on the capture stream, its gradients dropped and its dropout draws
         undone, before the first capture (as torch's make_graphed_callables does): the libraries
         set up what they keep per stream (cuBLAS workspace and handles) outside a capture. In
-        session 3, captures without any warm-up failed in cublasGemmEx
+        captures without any warm-up failed in cublasGemmEx
         (CUBLAS_STATUS_EXECUTION_FAILED) on the H100. Once the stream is set up, shapes capture
         without it, also at their first sighting (kernels not loaded yet then load during the
-        capture, which CUDA drivers from 12.3 on allow): session 10 captured 24 shapes
+        capture, which CUDA drivers from 12.3 on allow): one run captured 24 shapes
         (``bench/capture_cost.py``) and fairseq-train's 190 (``bench/e2e.py``) with this one
-        warm-up, session 16 fairseq-train's 211 padded shapes of a 400k-pair corpus, most at
+        warm-up, another fairseq-train's 211 padded shapes of a 400k-pair corpus, most at
         their first sighting."""
         rng = torch.cuda.get_rng_state()
         with torch.cuda.stream(self._stream):

@@ -1,6 +1,6 @@
 """The device memory behind ``--ls-cuda-graphs``: one arena for the graphs, no idle eager cache.
 
-Why: on the H100 (session 16) the process held 17.1 GB at ``--max-tokens 8192`` with
+Why: on the H100, before this module, the process held 17.1 GB at ``--max-tokens 8192`` with
 ``--ls-cuda-graphs`` against 7.3 GB without, and fairseq 20.0 GB. Three things add up:
 
 * the graphs' private pool is a patchwork. PyTorch's caching allocator ``cudaMalloc``\\ s one
@@ -30,10 +30,10 @@ What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
   a forward without gradients and is captured at once, instead of running an eager step whose
   activations would sit next to the idle pool (that step set the process's peak).
 
-Measured on the H100 (session 17, docs/PERFORMANCE.md): 8.4 GB held at 8192 tokens and 12.3 GB at
+Measured on the H100 (docs/PERFORMANCE.md, "Memory"): 8.4 GB held at 8192 tokens and 12.3 GB at
 16384 (fairseq 20.0 and 26.9 GB; before: 17.1 and 27.4 GB), at the same speed.
 
-``grow`` keeps the allocator's default behaviour (as before session 17). Without
+``grow`` keeps the allocator's default behaviour. Without
 ``torch.cuda.MemPool`` and ``torch.cuda.use_mem_pool`` (older torch) there is no arena, only the
 release and the gradient-free forward.
 """

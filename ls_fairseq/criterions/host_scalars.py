@@ -20,7 +20,7 @@ over a CPU group instead (``ls_fairseq.distributed_stats``).
 """
 import torch
 
-from ..distributed_stats import several_workers
+from ..workers import several_workers
 from ..host_copy import HostCopy
 
 

@@ -11,16 +11,18 @@ On the GPU the gradient is written over the logits buffer (nothing else needs it
 (``ls_fairseq.ops.fused_output_cross_entropy``), so the [tokens x vocab] logits never exist.
 It needs a decoder whose output layer is ``decoder.output_projection`` (no adaptive softmax).
 
-``--ls-cuda-graphs`` (opt-in) replays the training forward and backward of each batch shape as
-CUDA graphs (``cuda_graphs.CudaGraphedLoss``): the same kernels, issued without Python's
-per-kernel cost. Not with torch DDP (``--ddp-backend c10d``; legacy_ddp works).
+CUDA graphs (on by default where they apply; ``--ls-no-cuda-graphs`` off, ``--ls-cuda-graphs``
+required: ``ls_fairseq.switches``) replay the training forward and backward of each batch shape
+(``cuda_graphs.CudaGraphedLoss``): the same kernels, issued without Python's per-kernel cost.
+They step aside, with one log line, under torch DDP (``--ddp-backend c10d``; legacy_ddp works)
+and for a model other than ``ls_transformer``.
 ``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
 when batches are padded to bucketed shapes, which recur) or at its second (``auto`` otherwise:
 one-off shapes then never pay for a capture). ``--ls-cuda-graphs-memory compact`` (the default)
 keeps the graphs' memory pool one arena and gives the eager steps' idle cache back to the driver
 (``graph_memory``).
 
-``--ls-shape-buckets N`` (with ``--ls-cuda-graphs``; 16 unless set, 0: off) pads each training
+``--ls-shape-buckets N`` (with the graphs; 16 unless set, 0: off) pads each training
 batch up to one of a few hundred shapes (``shape_buckets``), so the graphs of a WMT14-sized corpus
 are replayed from the first epoch on instead of thrashing over its thousands of batch shapes.
 Losses, gradients and logged values are those of the unpadded batch.
@@ -28,6 +30,9 @@ Losses, gradients and logged values are those of the unpadded batch.
 ``--ls-async-stats`` (opt-in, several GPUs) takes fairseq's per-update exchanges between workers
 (the logged values, the grad-norm agreement check) off the GPU's critical path
 (``ls_fairseq.distributed_stats``).
+
+Training logging outputs carry ``ls_flops``, the batch's model FLOPs (``ls_fairseq.flops``), and
+``reduce_metrics`` logs ``tflops`` and ``mfu`` from them beside fairseq's ``wps``.
 """
 import functools
 import logging
@@ -43,7 +48,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 
 from .. import ops, switches
-from ..distributed_stats import several_workers
+from ..workers import several_workers
 from ..flops import TransformerFlops, device_peak_tflops
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from . import shape_buckets

@@ -1,5 +1,6 @@
 """``--ls-deferred-overflow-check``: the fp16 overflow test of an update is read one update late,
-so no update waits for the GPU.
+so no update waits for the GPU. On by default with ls_adam's fused fp16 copy where it applies
+(``--ls-no-deferred-overflow-check`` off; ``ls_fairseq.switches``).
 
 fairseq's ``FP16Optimizer.clip_grad_norm`` reads the gradient norm back to decide whether the
 update overflowed. That read waits for the whole backward; the GPU then idles through the
@@ -26,7 +27,7 @@ know in time, so it counts the skipped update, logs its loss, and logs its gnorm
 where the gradients hold NaNs). That loss is the loss of a batch whose gradients overflowed,
 often far above its neighbours', so the logged curve shows spikes that fairseq's log would not
 (the weights are fairseq's: the update is skipped); ``ls-fairseq-compare`` leaves intervals with
-a non-finite gnorm out of its loss-curve rows (docs/PERFORMANCE.md, session 18). The
+a non-finite gnorm out of its loss-curve rows (docs/FLAGS.md). The
 logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes one update later.
 With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
 once per ``--fp16-scale-window`` updates).
@@ -41,7 +42,7 @@ import math
 import torch
 from torch.utils._pytree import tree_map
 
-from ..distributed_stats import several_workers
+from ..workers import several_workers
 from ..host_copy import HostCopy
 
 logger = logging.getLogger(__name__)
