@@ -7,7 +7,7 @@ them, and fc1.weight's gradient error over all units and over the units that did
 
     source .gpu/setup.sh && LS_FAIRSEQ_KERNELS=require python scripts/relu_tie_diagnostic.py
 
-Records the inputs by wrapping ls_fairseq.modules.encoder_layer.feed_forward (this script only).
+Records the inputs by wrapping ls_fairseq.modules.sublayers.feed_forward (this script only).
 """
 import os, sys, warnings
 warnings.filterwarnings("ignore")

@@ -38,7 +38,7 @@ from ..modules import (
     TransformerEmbedding,
     TransformerEncoderLayer,
 )
-from ..modules.encoder_layer import next_norms
+from ..modules.sublayers import next_norms
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.bias_act_dropout import check_activation
 from .attention import CrossAttention, SelfAttention
-from .encoder_layer import check_post_ln_call, feed_forward, pre_ln_input, sublayer_output
+from .sublayers import check_post_ln_call, feed_forward, pre_ln_input, sublayer_output
 from .layer_norm import LayerNorm
 
 
