@@ -1,5 +1,6 @@
 """GPU tests of the fused multi-tensor Adam (csrc/adam.cu, ls_fairseq/ops/_adam_cuda.py), of
-ls_adam on the GPU, and of the opt-in fused fp16 model copy (LSFusedFP16Optimizer).
+ls_adam on the GPU, and of the fused fp16 model copy (LSFusedFP16Optimizer) and its deferred
+overflow check.
 
 Compared with: ``ops.adam_step_reference`` (same inputs, several steps), fairseq's ``Adam`` and
 fairseq's ``FP16Optimizer`` + ``adam`` (--fp16 flat fp32 master, --clip-norm, --update-freq,
@@ -9,6 +10,12 @@ master + fp16 grads + fp16 model copy written in the same launch. Sizes: 1..2^20
 odd, around every vector width and chunk edge, views at misaligned offsets, and one tensor of
 more than 2^31 elements. Guard elements around every tensor check that nothing outside it is
 written; "every element changed" checks that nothing inside is skipped.
+
+Both mechanisms are on by default for ``--optimizer ls_adam`` under ``--fp16``/``--bf16``
+(``FP16Optimizer.build_optimizer`` builds LSFusedFP16Optimizer, which defers its overflow check):
+every arm below names what it builds with ``--ls-no-fused-fp16-copy``,
+``--ls-no-deferred-overflow-check`` or the flags that require them; an arm with no such flag
+is what a user's plain ``--optimizer ls_adam --fp16`` gets, and says so.
 
 Tolerances: fp32 state: the kernel and the reference do the same fp32 operations, the kernel
 with fused multiply-adds: a few fp32 ulps of the value (2e-6 relative) plus 1e-6 of the tensor's
@@ -304,7 +311,14 @@ def test_ls_adam_matches_fairseq_adam(dtype):
     assert all(s["step"] == 20 for s in opt_c.state_dict()["state"].values())
 
 
-# ---- --fp16 (FP16Optimizer) with and without --ls-fused-fp16-copy ------------------------------
+# ---- --fp16 (FP16Optimizer) with and without the fused fp16 copy ----------------------------
+# fairseq's FP16Optimizer around ls_adam: --ls-no-fused-fp16-copy. The fused copy as it was
+# before the deferred check existed (reads the grad norm back at every update, raises
+# OverflowError as fairseq does): --ls-fused-fp16-copy --ls-no-deferred-overflow-check.
+
+_UNFUSED = ["--ls-no-fused-fp16-copy"]
+_FUSED_EAGER_CHECK = ["--ls-fused-fp16-copy", "--ls-no-deferred-overflow-check"]
+
 
 def _train(opt, model, steps, update_freq, clip, g, overflow_at=()):
     """fairseq's trainer sequence. The gradients are a fixed random sequence (times the loss
@@ -333,15 +347,23 @@ def _train(opt, model, steps, update_freq, clip, g, overflow_at=()):
 
 
 def test_fp16_optimizer_real_backward_smoke():
-    """Real loss.backward() through FP16Optimizer.backward (loss scaling): fused and unfused
-    ls_adam agree (same kernel math; the grad norm is summed in another order)."""
+    """Real loss.backward() through FP16Optimizer.backward (loss scaling): unfused ls_adam
+    (fairseq's FP16Optimizer), the fused copy with the eager overflow check, and the plain
+    ``--optimizer ls_adam --fp16`` (no flag: fused copy + deferred check) agree (same kernel
+    math; the grad norm is summed in another order; no overflow here, so the deferred check
+    changes nothing but when the norm is read)."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
+    from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
+
     weights = []
-    for extra in ([], ["--ls-fused-fp16-copy"]):
+    for extra, fused, deferred in ((_UNFUSED, False, False), (_FUSED_EAGER_CHECK, True, False),
+                                   ([], True, True)):
         model = _model(torch.float16, seed=3)
         cfg = fp16_optimizer_cfg("ls_adam", ["--clip-norm", "0.5", *extra])
         opt = FP16Optimizer.build_optimizer(cfg, list(model.parameters()))
+        assert isinstance(opt, LSFusedFP16Optimizer) == fused, extra
+        assert getattr(opt, "defers_host_reads", False) == deferred, extra
         g = torch.Generator(device=DEV).manual_seed(4)
         for _ in range(5):
             opt.zero_grad()
@@ -352,14 +374,18 @@ def test_fp16_optimizer_real_backward_smoke():
             opt.clip_grad_norm(0.5)
             opt.step()
         weights.append([p.detach().float() for p in model.parameters()])
-    for a, b in zip(*weights):
-        torch.testing.assert_close(a, b, rtol=2 * 2**-10, atol=1e-4)
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other):
+            torch.testing.assert_close(a, b, rtol=2 * 2**-10, atol=1e-4)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 @pytest.mark.parametrize("update_freq", [1, 3])
 @pytest.mark.parametrize("fp16_stats", [False, True])
 def test_fp16_optimizer_fused_copy_matches_fairseq(clip, update_freq, fp16_stats):
+    """fairseq's FP16Optimizer + adam, the same around ls_adam (--ls-no-fused-fp16-copy) and the
+    fused copy with the eager overflow check (the OverflowError at the inf gradient is raised in
+    the update, as fairseq's; the deferred check: test_deferred_overflow_check_matches_fairseq)."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
     from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
@@ -371,7 +397,9 @@ def test_fp16_optimizer_fused_copy_matches_fairseq(clip, update_freq, fp16_stats
     for name in names:
         extra = ["--clip-norm", str(clip)] + stats
         if name == "ls_adam_fused":
-            extra.append("--ls-fused-fp16-copy")
+            extra += _FUSED_EAGER_CHECK
+        elif name == "ls_adam":
+            extra += _UNFUSED
         cfg = fp16_optimizer_cfg("adam" if name == "adam" else "ls_adam", extra)
         model = _model(torch.float16, seed=3)
         params = list(model.parameters())
@@ -414,25 +442,34 @@ def test_fp16_optimizer_fused_copy_matches_fairseq(clip, update_freq, fp16_stats
         torch.testing.assert_close(p.float(), q.float(), rtol=2 * 2**-10, atol=2e-4)
 
 
-def test_fused_copy_frees_the_fp32_grad_buffer():
+@pytest.mark.parametrize("extra", [[], ["--ls-fused-fp16-copy"]], ids=["default", "required"])
+def test_fused_copy_frees_the_fp32_grad_buffer(extra):
+    """The plain ``--optimizer ls_adam --fp16`` (no flag) builds the fused copy, as
+    ``--ls-fused-fp16-copy`` does; either frees fairseq's fp32 grad buffer."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-    cfg = fp16_optimizer_cfg("ls_adam", ["--ls-fused-fp16-copy"])
+    from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
+
+    cfg = fp16_optimizer_cfg("ls_adam", extra)
     opt = FP16Optimizer.build_optimizer(cfg, list(_model(torch.float16).parameters()))
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt.defers_host_reads
     assert all(t.grad is None for t in opt.fp32_params.values())
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_fused_copy_grad_norm_is_fairseqs_with_one_host_sync(clip):
-    """LSFusedFP16Optimizer.clip_grad_norm returns fairseq's grad norm (within fp32 summation
-    order) as a CPU tensor: it waits for the GPU once, and the trainer's later isfinite() tests of
-    the result (one of them after the optimizer step) do not wait at all."""
+    """LSFusedFP16Optimizer.clip_grad_norm with the eager overflow check
+    (--ls-no-deferred-overflow-check) returns fairseq's grad norm (within fp32 summation order)
+    as a CPU tensor: it waits for the GPU once, and the trainer's later isfinite() tests of the
+    result (one of them after the optimizer step) do not wait at all. Reference: fairseq's
+    FP16Optimizer around ls_adam (--ls-no-fused-fp16-copy). (The deferred check, the default,
+    waits not even once: test_deferred_overflow_check_never_waits_for_the_gpu.)"""
     import warnings
 
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
     norms = {}
-    for name, extra in (("fairseq", []), ("fused", ["--ls-fused-fp16-copy"])):
+    for name, extra in (("fairseq", _UNFUSED), ("fused", _FUSED_EAGER_CHECK)):
         model = _model(torch.float16, seed=3)
         cfg = fp16_optimizer_cfg("ls_adam", ["--clip-norm", str(clip), *extra])
         opt = FP16Optimizer.build_optimizer(cfg, list(model.parameters()))
@@ -475,14 +512,16 @@ def test_deferred_overflow_check_matches_fairseq(clip, update_freq):
     optimizer (never raises; the kernel skips the step on a NaN factor; booked at the next
     backward), same gradients, consecutive overflows and a growing scale: same weights (fp32
     master relative 1e-5: kernel vs PyTorch fp32 rounding over 12 steps), loss scale, step
-    count, and the same norms for the updates that did not overflow."""
+    count, and the same norms for the updates that did not overflow. The plain ``--optimizer
+    ls_adam --fp16`` (no flag) is this same optimizer: bit for bit the deferred run."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
     from fairseq_helpers import fp16_trainer_run
 
     overflow_at = (3, 4, 9, 11)
     runs = {}
-    for name, optimizer, extra in (("fairseq", "adam", []), ("deferred", "ls_adam", _DEFERRED)):
+    for name, optimizer, extra in (("fairseq", "adam", []), ("deferred", "ls_adam", _DEFERRED),
+                                   ("default", "ls_adam", [])):
         model = _model(torch.float16, seed=3)
         params = list(model.parameters())
         cfg = fp16_optimizer_cfg(optimizer, ["--clip-norm", str(clip), "--fp16-scale-window",
@@ -504,6 +543,13 @@ def test_deferred_overflow_check_matches_fairseq(clip, update_freq):
     assert max_rel_err(master, ref_master) <= 1e-5
     flat16 = torch.cat([p.detach().view(-1) for p in params])
     assert torch.equal(flat16, master.detach().half())  # the kernel wrote the fp16 weights
+    d_params, d_opt, d_overflows, d_norms, d_state = runs["default"]
+    assert d_opt.defers_host_reads and d_overflows == 0
+    assert d_state["loss_scale"] == state["loss_scale"]
+    assert torch.equal(next(iter(d_opt.fp32_params.values())), master)
+    torch.testing.assert_close(torch.tensor([float(n) for n in d_norms]),
+                               torch.tensor([float(n) for n in norms]), rtol=0, atol=0,
+                               equal_nan=True)
 
 
 def test_deferred_overflow_check_never_waits_for_the_gpu():

@@ -1,5 +1,10 @@
 """``--ls-cuda-graphs``: replayed training steps vs eager steps of the same criterion and model.
 
+CUDA graphs are on by default for an ls_transformer on a GPU, so every eager reference here
+turns them off (``ls_no_cuda_graphs=True``, ``--ls-no-cuda-graphs``) and every graphed arm
+requires them (``ls_cuda_graphs=True``, ``--ls-cuda-graphs``). The plain command's defaults are
+tested in test_fast_defaults_cuda.py.
+
 The replayed graphs launch the same kernels on the same inputs as the eager step, so with dropout
 off losses and gradients agree to rounding (tolerance: relative 1e-5 in fp32, 1e-2 of the
 tensor's max in fp16 — cuBLAS may pick another algorithm on the capture stream, which reorders
@@ -60,7 +65,7 @@ def _pair(dictionary, dtype, dropout, **crit):
                      "--activation-dropout", str(dropout)]
     task = DummyTask(dictionary)
     kwargs = dict(sentence_avg=False, label_smoothing=0.1, **crit)
-    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, ls_no_cuda_graphs=True, **kwargs)
     graphed = LSLabelSmoothedCrossEntropyCriterion(task, ls_cuda_graphs=True, **kwargs)
     m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
     m2 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
@@ -135,7 +140,8 @@ def test_shape_buckets_replay_batches_of_unseen_shapes(dictionary, dtype):
     task = DummyTask(dictionary)
     task.cfg = SimpleNamespace(left_pad_source=True, left_pad_target=False)
     extra = SMALL + ["--dropout", "0"]
-    eager = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1,
+                                                 ls_no_cuda_graphs=True)
     graphed = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1,
                                                    ls_cuda_graphs=True, ls_shape_buckets=4,
                                                    ls_shape_bucket_slack=0.5)
@@ -169,7 +175,7 @@ def test_first_sighting_captures_match_eager(dictionary, dtype, memory):
                      "0.2", "--max-source-positions", "16", "--max-target-positions", "16"]
     task = DummyTask(dictionary)
     kwargs = dict(sentence_avg=False, label_smoothing=0.1)
-    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, ls_no_cuda_graphs=True, **kwargs)
     graphed = LSLabelSmoothedCrossEntropyCriterion(
         task, ls_cuda_graphs=True, ls_cuda_graphs_capture="first-sighting",
         ls_cuda_graphs_memory=memory, **kwargs)
@@ -347,21 +353,29 @@ def test_least_recently_used_graphs_dropped(dictionary):
     assert crit.graphs.stats["captured"] == 4  # (2, 5, 6) was dropped, then captured again
 
 
-@pytest.mark.parametrize("more", [[], ["--ls-fused-fp16-copy"], ["--ls-shape-buckets", "0"]],
-                         ids=["fp16", "fp16_fused_copy", "no_shape_buckets"])
+@pytest.mark.parametrize("more", [
+    ["--ls-no-fused-fp16-copy"],
+    ["--ls-fused-fp16-copy", "--ls-no-deferred-overflow-check"],
+    ["--ls-shape-buckets", "0", "--ls-no-fused-fp16-copy"],
+], ids=["fp16", "fp16_fused_copy", "no_shape_buckets"])
 def test_fairseq_train_same_losses(tmp_path, more):
     """fairseq-train (--fp16, dropout 0, 9 epochs of a tiny corpus, so batch shapes repeat):
-    --ls-cuda-graphs logs the same losses as the eager run (fairseq rounds them to 3 decimals;
-    tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream and for the sums over
-    padded batches, --ls-shape-buckets being on by default)."""
+    --ls-cuda-graphs logs the same losses as the eager run, --ls-no-cuda-graphs (fairseq rounds
+    them to 3 decimals; tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream
+    and for the sums over padded batches, --ls-shape-buckets being on by default). The optimizer
+    is named in each case: fairseq's FP16Optimizer around ls_adam (--ls-no-fused-fp16-copy), or
+    the fused copy with the overflow check read back every update (the graphs with all three
+    defaults against none: test_fast_defaults_cuda.py)."""
     from test_end_to_end import losses, make_tiny_data, train
 
     data = make_tiny_data(tmp_path)
     common = ["--share-all-embeddings", "--dropout", "0", "--fp16", "--max-epoch", "9",
               "--no-save"] + more
-    eager = train(data, tmp_path / "eager", "ls_transformer", common, 200)
+    eager = train(data, tmp_path / "eager", "ls_transformer", common + ["--ls-no-cuda-graphs"],
+                  200)
     graphed = train(data, tmp_path / "graphed", "ls_transformer", common + ["--ls-cuda-graphs"],
                     200)
+    assert "--ls-cuda-graphs: captured" not in eager
     assert "--ls-cuda-graphs: captured" in graphed
     le, lg = losses(eager), losses(graphed)
     assert len(le) == len(lg) >= 10

@@ -1,7 +1,11 @@
 """fairseq-generate on the GPU: an ls_ checkpoint and the same checkpoint converted to fairseq's
 transformer give the same hypotheses (beam 4). fp32: identical. fp16: the two models round at
 different points, so a near-tie between beams can flip; we require >= 90% identical hypotheses
-and report the rest."""
+and report the rest.
+
+The checkpoint is trained with the plain command (``--fp16`` and names only), so with what a user
+gets by default: CUDA graphs, ls_adam's fused fp16 copy and its deferred overflow check; how it
+was trained does not matter to the comparison, only that such a checkpoint converts and decodes."""
 import os
 import re
 import subprocess

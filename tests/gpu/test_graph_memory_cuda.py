@@ -52,13 +52,13 @@ def _segments(pool=None, stream=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_compact_replays_match_eager(dictionary, dtype, monkeypatch):
     """With an arena (its threshold lowered to 0 for this small model), replays match eager
-    steps, and the warm-up's cache was given back."""
+    steps (graphs off: ``ls_no_cuda_graphs``), and the warm-up's cache was given back."""
     monkeypatch.setattr(graph_memory, "_MIN_ARENA", 0)
     extra = SMALL + ["--dropout", "0.2", "--attention-dropout", "0.2",
                      "--activation-dropout", "0.2"]
     task = DummyTask(dictionary)
     kwargs = dict(sentence_avg=False, label_smoothing=0.1)
-    eager = LSLabelSmoothedCrossEntropyCriterion(task, **kwargs)
+    eager = LSLabelSmoothedCrossEntropyCriterion(task, ls_no_cuda_graphs=True, **kwargs)
     graphed = LSLabelSmoothedCrossEntropyCriterion(
         task, ls_cuda_graphs=True, ls_cuda_graphs_capture="first-sighting", **kwargs)
     m1 = build_model("ls_transformer", dictionary, extra, seed=5).cuda().to(dtype).train()
