@@ -7,10 +7,13 @@
 #    CUDA kernels are built against whatever torch is installed);
 # 2. cython + numpy, then fairseq-fixed 0.12.3.1 (built without build isolation, so that its
 #    Cython extensions compile against the numpy installed here);
-# 3. this package with its comparison extras (pip install ".[compare]": pandas, matplotlib);
-# 4. ls-fairseq-quickstart: generates a small corpus, trains a fairseq baseline and the ls_ model
-#    for a few minutes each (GPU if there is one, else a tiny model on CPU), decodes, scores with
-#    sacreBLEU and prints the comparison table and the plot paths.
+# 3. this package with its comparison extras (pip install ".[compare]", for the plots);
+# 4. ls-fairseq-quickstart (the installed package, whatever the current folder): generates a
+#    small corpus, trains a fairseq baseline and the ls_ model for a few minutes each (GPU if there
+#    is one, else a tiny model on CPU, where the ls_ run is no faster: it says why), decodes,
+#    scores with sacreBLEU and prints the comparison table and the plot paths. Its work folder is
+#    --workdir, by default ./ls_fairseq_quickstart, or ../ls_fairseq_quickstart beside this
+#    checkout when started inside it.
 #
 # Options after the script name go to ls-fairseq-quickstart (--help lists them), e.g.
 #   bash scripts/quickstart.sh --minutes 2 --workdir /tmp/qs
@@ -35,4 +38,11 @@ echo "== installing ls-fairseq from $REPO"
 pip_install "$REPO[compare]"
 
 echo "== running ls-fairseq-quickstart $*"
-exec "$PYTHON" -m ls_fairseq.cli.quickstart "$@"
+# The installed package must run, not the source tree's: "python -m" would put the current folder
+# (often this checkout) first on sys.path, so run it with that entry removed. Without --workdir
+# the quickstart works beside the checkout, never inside it.
+exec "$PYTHON" -c 'import os, sys
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    sys.path.pop(0)
+from ls_fairseq.cli.quickstart import main
+sys.exit(main(sys.argv[1:]))' "$@"

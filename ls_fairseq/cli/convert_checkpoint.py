@@ -23,6 +23,7 @@ import argparse
 import os
 import re
 import sys
+import warnings
 
 PREFIX = "ls_"
 
@@ -175,14 +176,22 @@ def load_checkpoint(path: str) -> dict:
         raise ConvertError(f"not a fairseq checkpoint: {path} (not a file written by torch.save)")
     allow_fairseq_checkpoints()
     try:
-        state = torch.load(path, map_location="cpu")
+        with warnings.catch_warnings():  # torch's unpickler warnings would bury the one line
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu")
     except OSError as exc:
         raise ConvertError(f"cannot read input {path}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 - every unpickling failure means "not a checkpoint"
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-        reason = (f"it holds {refused.group(1)}, which no fairseq checkpoint holds" if refused
-                  else f"torch.load failed: {type(exc).__name__}: "
-                       f"{(str(exc).strip().splitlines() or [''])[0][:160]}")
+        text = str(exc)
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        unpickler = re.search(r"WeightsUnpickler error: \s*(.+)", text)
+        if refused:  # the safe loader refuses a type no fairseq translation checkpoint holds
+            reason = f"it holds {refused.group(1)}, not a type of fairseq's checkpoints"
+        elif unpickler:  # torch's own lines around it are about weights_only, not the file
+            reason = f"torch.load failed: {unpickler.group(1).strip()[:160]}"
+        else:
+            reason = (f"torch.load failed: {type(exc).__name__}: "
+                      f"{(text.strip().splitlines() or [''])[0][:160]}")
         raise ConvertError(f"not a fairseq checkpoint: {path} ({reason})") from None
     if not isinstance(state, dict):
         raise ConvertError(f"not a fairseq checkpoint: {path} holds a {type(state).__name__}, "

@@ -36,14 +36,12 @@ the same order at that backend: ``efficient`` never picks ``short``, ``softmax``
 For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also writes the gradient
 straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
 """
-import os
-
 import torch
 
 from . import _extension
 
 ENV_VAR = "LS_FAIRSEQ_ATTENTION"
-BACKENDS = ("auto", "short", "efficient", "softmax")
+BACKENDS = _extension.ENV_VARS[ENV_VAR]  # ("auto", "short", "efficient", "softmax")
 #: longest rows and the head sizes the short kernel takes (csrc/short_attention.cu)
 SHORT_LIMIT = 128
 SHORT_HEAD_DIMS = (16, 32, 64, 128)
@@ -56,10 +54,7 @@ _fakes_registered = False
 
 
 def backend_setting() -> str:
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={value!r} is not one of {', '.join(BACKENDS)}")
-    return value
+    return _extension.env_value(ENV_VAR)  # also checked when the plugin loads
 
 
 def _register_fakes():

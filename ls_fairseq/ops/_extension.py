@@ -13,6 +13,10 @@ Policy, from the environment variable ``LS_FAIRSEQ_KERNELS``:
   measure the fallback.
 * ``off``: always use the PyTorch reference path.
 
+Every ``LS_FAIRSEQ_*`` variable the package reads is listed in :data:`ENV_VARS` with its values;
+loading the plugin refuses a bad value (or an unknown ``LS_FAIRSEQ_`` name) with one line and
+exit status 2, before fairseq starts a run that would fail at its first forward.
+
 The build result is process-wide on purpose (a shared library is loaded once per process); no
 layer keeps state here.
 """
@@ -20,6 +24,7 @@ import glob
 import hashlib
 import logging
 import os
+import sys
 import threading
 import warnings
 
@@ -30,6 +35,15 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "LS_FAIRSEQ_KERNELS"
 EXTENSION_NAME = "ls_fairseq_C"
 _MODES = ("auto", "require", "off")
+_FLAG = ("0", "1", "false", "true", "no", "yes", "off", "on")
+#: every LS_FAIRSEQ_* environment variable the package reads -> its values (the first is the
+#: default); tests/test_bad_input.py checks that the package reads no other
+ENV_VARS = {
+    ENV_VAR: _MODES,
+    "LS_FAIRSEQ_ATTENTION": ("auto", "short", "efficient", "softmax"),  # ops/_attention_cuda.py
+    "LS_FAIRSEQ_DETERMINISTIC": _FLAG,  # ops/_embedding_cuda.py
+    "LS_FAIRSEQ_VERBOSE_BUILD": _FLAG,  # the JIT build's compiler output
+}
 #: compiler flags of the JIT build (tests/test_csrc_compiles.py compiles csrc/ with the same ones)
 #: No -std flag: torch's cpp_extension adds the standard torch itself was built with (C++20 for
 #: torch >= 2.10); forcing another one mixes ABIs (seen: TORCH_CHECK messages crashing in ostream).
@@ -40,13 +54,55 @@ _lock = threading.Lock()
 _loaded = None  # None: not tried yet; True/False: result of the one build attempt
 _failure_reason = ""
 _warned = False
+_announced_cpu = False  # the once-per-process "PyTorch path on CPU" line (announce_device)
+
+
+def env_value(name: str) -> str:
+    """The value of ``LS_FAIRSEQ_*`` variable ``name`` (lower case; its default when unset or
+    empty); ValueError, in one line that says what to do, when it is not one of its values."""
+    values = ENV_VARS[name]
+    value = os.environ.get(name, values[0]).strip().lower() or values[0]
+    if value not in values:
+        raise ValueError(f"{name}={os.environ[name]!r} is not one of {', '.join(values)}: "
+                         f"set one of them, or unset {name} (default {values[0]})")
+    return value
+
+
+def env_flag(name: str) -> bool:
+    return env_value(name) in ("1", "true", "yes", "on")
+
+
+def check_environment(environ=None) -> None:
+    """ValueError (one line) for the first bad ``LS_FAIRSEQ_*`` variable: a value outside
+    :data:`ENV_VARS` or a name the package does not read (a typo would silently do nothing)."""
+    environ = os.environ if environ is None else environ
+    for name in sorted(environ):
+        if not name.startswith("LS_FAIRSEQ_"):
+            continue
+        if name not in ENV_VARS:
+            raise ValueError(f"{name} is not a variable ls_fairseq reads (it reads "
+                             f"{', '.join(sorted(ENV_VARS))}): fix its name or unset it")
+        values = ENV_VARS[name]
+        value = environ[name].strip().lower()
+        if value and value not in values:
+            raise ValueError(f"{name}={environ[name]!r} is not one of {', '.join(values)}: "
+                             f"set one of them, or unset {name} (default {values[0]})")
+
+
+def refuse_bad_environment() -> None:
+    """Run when the plugin loads: a bad ``LS_FAIRSEQ_*`` variable ends the process with one line
+    on stderr and exit status 2 (a usage error, as argparse reports one), not a traceback at
+    the first forward."""
+    try:
+        check_environment()
+    except ValueError as exc:
+        sys.stderr.write(f"ls_fairseq: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
 
 
 def mode() -> str:
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in _MODES:
-        raise ValueError(f"{ENV_VAR}={value!r} is not one of {', '.join(_MODES)}")
-    return value
+    return env_value(ENV_VAR)
 
 
 def csrc_dir() -> str:
@@ -100,7 +156,7 @@ def _build():
         extra_cflags=list(CXX_FLAGS),
         extra_cuda_cflags=CUDA_FLAGS + _arch_flags(),
         is_python_module=False,
-        verbose=os.environ.get("LS_FAIRSEQ_VERBOSE_BUILD", "0") == "1",
+        verbose=env_flag("LS_FAIRSEQ_VERBOSE_BUILD"),
     )
 
 
@@ -155,6 +211,21 @@ def use_kernels(*tensors) -> bool:
     return False
 
 
+def announce_device(args) -> None:
+    """Called when an ls_ model is built. On the CPU (``--cpu``, or no GPU visible to torch) say
+    once per process that the PyTorch reference path runs and why it is no faster than fairseq
+    (the README's promise); on a GPU, :func:`use_kernels` warns instead if the build fails.
+    Nothing under ``LS_FAIRSEQ_KERNELS=off``: the user chose that path."""
+    global _announced_cpu
+    if _announced_cpu or mode() == "off":
+        return
+    if not (getattr(args, "cpu", False) or not torch.cuda.is_available()):
+        return
+    _announced_cpu = True
+    logger.warning("ls_fairseq: on CPU the PyTorch reference path runs (the CUDA kernels' math, "
+                   "not their speed): the speed-ups need a CUDA GPU")
+
+
 def has_op(name: str) -> bool:
     """True when the loaded extension registered ``torch.ops.ls_fairseq.<name>``."""
     return bool(_loaded) and hasattr(torch.ops.ls_fairseq, name)
@@ -162,5 +233,8 @@ def has_op(name: str) -> bool:
 
 def _reset_for_tests():
     """Forget the build result (tests only)."""
-    global _loaded, _failure_reason, _warned
-    _loaded, _failure_reason, _warned = None, "", False
+    global _loaded, _failure_reason, _warned, _announced_cpu
+    _loaded, _failure_reason, _warned, _announced_cpu = None, "", False, False
+
+
+refuse_bad_environment()  # when the plugin loads

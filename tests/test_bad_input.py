@@ -1,0 +1,453 @@
+"""Every mistake a user can make gets one line that says what to do (issue 40), on CPU.
+
+One place for the bad inputs, so the list grows with every new flag, variable or tool:
+
+* every ``--ls-*`` option the training parser knows: bad values and contradicting pairs, built
+  through fairseq's own option parser and registries (``test_every_ls_flag_has_a_bad_input_case``
+  fails for a new flag without a case here);
+* every ``LS_FAIRSEQ_*`` variable the package reads (``ENV_VARS`` in ops/_extension.py; a test
+  greps the sources so that list stays complete): refused when the plugin loads, exit status 2;
+* ``ls-fairseq-convert`` on missing, unreadable and wrong kinds of files, and missing output
+  folders: one line, exit status 2, nothing written;
+* resuming a fairseq checkpoint as ls_ without converting: the answer names ls-fairseq-convert;
+* CPU runs: one line saying that the PyTorch reference path runs (speed-ups need a GPU).
+
+A few cases run the real fairseq-train on a tiny corpus; the rest build the components in process.
+"""
+import argparse
+import glob
+import logging
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from fairseq import criterions, optim, options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_helpers import DummyTask, make_dictionary
+from test_end_to_end import TINY_MODEL, fairseq_cli, make_tiny_data
+
+import ls_fairseq
+from ls_fairseq.cli import convert_checkpoint, quickstart
+from ls_fairseq.ops import _extension
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_DIR = os.path.dirname(ls_fairseq.__file__)
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LS_FAIRSEQ_")}
+    env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    env.update(PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _run(cmd, **env):
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(**env), cwd=ROOT,
+                          timeout=300)
+
+
+def _last_line(text):
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# ---- LS_FAIRSEQ_* environment variables ------------------------------------------------------
+
+def test_env_vars_lists_every_variable_the_package_reads():
+    read = set()
+    for path in glob.glob(os.path.join(ROOT, "ls_fairseq", "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            read |= set(re.findall(r"LS_FAIRSEQ_[A-Z][A-Z_]*", f.read()))
+    assert read == set(_extension.ENV_VARS), "add the variable to ENV_VARS in ops/_extension.py"
+
+
+@pytest.mark.parametrize("name", sorted(_extension.ENV_VARS))
+def test_bad_env_value_is_one_line_naming_the_values(name):
+    values = _extension.ENV_VARS[name]
+    with pytest.raises(ValueError) as info:
+        _extension.check_environment({name: "bogus"})
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"{name}='bogus' is not one of {', '.join(values)}" in message
+    assert f"unset {name}" in message
+    for value in values:  # every documented value, any case, is accepted; so is empty
+        _extension.check_environment({name: f" {value.upper()} "})
+    _extension.check_environment({name: ""})
+
+
+def test_unknown_ls_fairseq_variable_is_refused():
+    with pytest.raises(ValueError, match=r"^LS_FAIRSEQ_KERNEL is not a variable ls_fairseq reads "
+                                         r"\(it reads LS_FAIRSEQ_ATTENTION, .*\): fix its name"):
+        _extension.check_environment({"LS_FAIRSEQ_KERNEL": "off"})
+    _extension.check_environment({"PATH": "/bin", "LS_FAIRSEQ_KERNELS": "off"})
+
+
+def test_env_readers_use_the_same_check(monkeypatch):
+    from ls_fairseq.ops import _attention_cuda
+
+    monkeypatch.setenv("LS_FAIRSEQ_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="LS_FAIRSEQ_ATTENTION='fast' is not one of auto, short, "
+                                         "efficient, softmax"):
+        _attention_cuda.backend_setting()
+    monkeypatch.setenv("LS_FAIRSEQ_ATTENTION", "Short")
+    assert _attention_cuda.backend_setting() == "short"
+    monkeypatch.setenv("LS_FAIRSEQ_VERBOSE_BUILD", "yes")
+    assert _extension.env_flag("LS_FAIRSEQ_VERBOSE_BUILD")
+
+
+@pytest.mark.parametrize("name,value,values", [
+    ("LS_FAIRSEQ_KERNELS", "bogus", "auto, require, off"),
+    ("LS_FAIRSEQ_ATTENTION", "fast", "auto, short, efficient, softmax"),
+])
+def test_bad_env_value_refused_when_the_plugin_loads(name, value, values):
+    proc = _run([sys.executable, "-c", "import ls_fairseq"], **{name: value})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert _last_line(proc.stderr) == (
+        f"ls_fairseq: {name}={value!r} is not one of {values}: set one of them, or unset {name} "
+        f"(default auto)")
+
+
+# ---- the real fairseq-train -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
+
+
+def _train_cmd(data_bin, save_dir, ls=True, more=()):
+    return fairseq_cli("train") + [
+        str(data_bin), *(["--user-dir", USER_DIR] if ls else []),
+        "--arch", "ls_transformer" if ls else "transformer", *TINY_MODEL,
+        "--criterion", "ls_label_smoothed_cross_entropy" if ls else "label_smoothed_cross_entropy",
+        "--label-smoothing", "0.1", "--optimizer", "ls_adam" if ls else "adam", "--lr", "1e-3",
+        "--max-tokens", "600", "--max-update", "2", "--save-dir", str(save_dir), "--cpu",
+        "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "1",
+        "--distributed-world-size", "1", "--dropout", "0", *more]
+
+
+def _files(folder):
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def test_fairseq_train_bad_env_value(data_bin, tmp_path):
+    proc = _run(_train_cmd(data_bin, tmp_path / "save"), LS_FAIRSEQ_KERNELS="bogus")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert _last_line(proc.stderr).startswith("ls_fairseq: LS_FAIRSEQ_KERNELS='bogus' is not one "
+                                              "of auto, require, off")
+    assert _files(tmp_path / "save") == []  # no crash.pt, no checkpoint
+
+
+def test_fairseq_train_bad_flag_value(data_bin, tmp_path):
+    proc = _run(_train_cmd(data_bin, tmp_path / "save", more=["--ls-shape-buckets", "3"]))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _last_line(proc.stderr) == ("ValueError: --ls-shape-buckets must be 0 (no padding) or a "
+                                       "power of two, got 3")
+    assert _files(tmp_path / "save") == []
+
+
+def test_resume_fairseq_checkpoint_as_ls_names_the_converter(data_bin, tmp_path):
+    """fairseq would say "Criterion does not match; please reset the optimizer
+    (--reset-optimizer)", dropping the Adam state; the answer is to convert the checkpoint."""
+    fs_dir, ls_dir = tmp_path / "fairseq", tmp_path / "ls"
+    proc = _run(_train_cmd(data_bin, fs_dir, ls=False), TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = fs_dir / "checkpoint_last.pt"
+    proc = _run(_train_cmd(data_bin, ls_dir, more=["--restore-file", str(ckpt),
+                                                   "--max-update", "4"]))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    converted = fs_dir / "checkpoint_last_ls.pt"
+    assert _last_line(proc.stderr) == (
+        f"ValueError: ls_fairseq: {ckpt} holds fairseq's criterion/optimizer state "
+        "(LabelSmoothedCrossEntropyCriterion, FairseqAdam) and this run uses their twins: "
+        f"convert it, keeping the Adam state: ls-fairseq-convert {ckpt} {converted} --to ls, "
+        f"then resume with --restore-file {converted}")
+    assert "--reset-optimizer" not in proc.stderr
+    assert not os.path.exists(ls_dir / "checkpoint_last.pt")
+    # --cpu: the promised line, once
+    output = proc.stdout + proc.stderr
+    assert output.count("ls_fairseq: on CPU the PyTorch reference path runs") == 1, output[-3000:]
+
+
+# ---- the CPU reference path -----------------------------------------------------------------
+
+def test_cpu_runs_say_once_that_the_reference_path_runs(monkeypatch, caplog):
+    monkeypatch.delenv("LS_FAIRSEQ_KERNELS", raising=False)
+    _extension._reset_for_tests()
+    try:
+        with caplog.at_level(logging.WARNING, logger=_extension.logger.name):
+            _extension.announce_device(argparse.Namespace(cpu=True))
+            _extension.announce_device(argparse.Namespace(cpu=True))
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == ["ls_fairseq: on CPU the PyTorch reference path runs (the CUDA kernels' "
+                         "math, not their speed): the speed-ups need a CUDA GPU"]
+        caplog.clear()
+        _extension._reset_for_tests()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        with caplog.at_level(logging.WARNING, logger=_extension.logger.name):
+            _extension.announce_device(argparse.Namespace(cpu=False))  # a GPU run: nothing
+            monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "off")  # the user chose the PyTorch path
+            _extension.announce_device(argparse.Namespace(cpu=True))
+        assert caplog.records == []
+    finally:
+        _extension._reset_for_tests()
+
+
+# ---- --ls-* flags ---------------------------------------------------------------------------
+
+def _build(flags):
+    """Parse ``flags`` with fairseq's training parser and build the ls_ criterion and optimizer
+    through fairseq's registries, as fairseq-train does."""
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        "/nonexistent", "--arch", "ls_transformer", "--task", "translation", "--criterion",
+        "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam", "--lr", "1e-3", *flags])
+    cfg = convert_namespace_to_omegaconf(args)
+    criterions.build_criterion(cfg.criterion, DummyTask(make_dictionary()))
+    optim.build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(3))])
+
+
+#: (flags, the one line the user sees): "usage: ..." lines are argparse errors (exit status 2),
+#: the others the ValueError that ends fairseq-train
+FLAG_CASES = [
+    (["--ls-cuda-graphs-max", "0"], "--ls-cuda-graphs-max must be >= 1, got 0"),
+    (["--ls-cuda-graphs-max", "-3"], "--ls-cuda-graphs-max must be >= 1, got -3"),
+    (["--ls-cuda-graphs-max", "many"],
+     "usage: argument --ls-cuda-graphs-max: invalid int value: 'many'"),
+    (["--ls-shape-buckets", "3"],
+     "--ls-shape-buckets must be 0 (no padding) or a power of two, got 3"),
+    (["--ls-shape-buckets", "-16"],
+     "--ls-shape-buckets must be 0 (no padding) or a power of two, got -16"),
+    (["--ls-shape-bucket-slack", "-1"], "--ls-shape-bucket-slack must be >= 0, got -1.0"),
+    (["--ls-all-reduce-bucket-mb", "-1"], "--ls-all-reduce-bucket-mb must be >= 0, got -1.0"),
+    (["--ls-cuda-graphs-capture", "first"],
+     "usage: argument --ls-cuda-graphs-capture: invalid choice: 'first' (choose from 'auto', "
+     "'first-sighting', 'second-sighting')"),
+    (["--ls-cuda-graphs-memory", "small"],
+     "usage: argument --ls-cuda-graphs-memory: invalid choice: 'small' (choose from 'compact', "
+     "'grow')"),
+    (["--ls-fused-output-ce-chunk", "x"],
+     "usage: argument --ls-fused-output-ce-chunk: invalid int value: 'x'"),
+    pytest.param(["--ls-fused-output-ce", "--ls-fused-output-ce-chunk", "-5"],
+                 "--ls-fused-output-ce-chunk must be >= 0",
+                 marks=pytest.mark.xfail(strict=True, reason="accepted; fails at the first forward "
+                                         "with 'chunk_size must be positive' (criterion: check it "
+                                         "in __init__)")),
+    pytest.param(["--ls-all-reduce-bucket-mb", "nan"], "--ls-all-reduce-bucket-mb must be >= 0",
+                 marks=pytest.mark.xfail(strict=True, reason="NaN passes 'bucket_mb < 0' "
+                                         "(cuda_graphs.py: test 'not bucket_mb >= 0')")),
+    (["--ls-cuda-graphs", "--ls-no-cuda-graphs"],
+     "--ls-cuda-graphs and --ls-no-cuda-graphs contradict each other: pass one of them"),
+    (["--ls-fused-fp16-copy", "--ls-no-fused-fp16-copy"],
+     "--ls-fused-fp16-copy and --ls-no-fused-fp16-copy contradict each other: pass one of them"),
+    (["--ls-deferred-overflow-check", "--ls-no-deferred-overflow-check"],
+     "--ls-deferred-overflow-check and --ls-no-deferred-overflow-check contradict each other: "
+     "pass one of them"),
+    (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"],
+     "--ls-deferred-overflow-check needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
+]
+#: --ls-* switches that take no value (their contradicting pairs are cases above)
+SWITCHES = {"--ls-fused-output-ce", "--ls-async-stats", "--ls-cuda-graphs", "--ls-no-cuda-graphs",
+            "--ls-fused-fp16-copy", "--ls-no-fused-fp16-copy", "--ls-deferred-overflow-check",
+            "--ls-no-deferred-overflow-check"}
+
+
+def _case_id(case):
+    flags = case.values[0] if hasattr(case, "values") else case[0]
+    return " ".join(flags)
+
+
+@pytest.mark.parametrize("flags,line", FLAG_CASES, ids=[_case_id(c) for c in FLAG_CASES])
+def test_bad_flag_is_one_line_naming_flag_and_limit(flags, line, capsys):
+    if line.startswith("usage: "):
+        with pytest.raises(SystemExit) as info:
+            _build(flags)
+        assert info.value.code == 2
+        assert _last_line(capsys.readouterr().err).endswith("error: " + line[len("usage: "):])
+    else:
+        with pytest.raises(ValueError) as info:
+            _build(flags)
+        assert str(info.value) == line or str(info.value).startswith(line)
+        assert "\n" not in str(info.value)
+        assert flags[0] in str(info.value)
+
+
+def test_every_ls_flag_has_a_bad_input_case():
+    parser = options.get_training_parser()
+    options.parse_args_and_arch(parser, [
+        "/nonexistent", "--arch", "ls_transformer", "--task", "translation", "--criterion",
+        "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"])
+    ls_flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--ls-")}
+    covered = SWITCHES | {f for case in FLAG_CASES
+                          for f in (case.values[0] if hasattr(case, "values") else case[0])
+                          if f.startswith("--ls-")}
+    assert ls_flags - covered == set(), "add a bad-input case for the new flag(s) to FLAG_CASES"
+
+
+# ---- ls-fairseq-convert ---------------------------------------------------------------------
+
+def _fake_checkpoint(arch="ls_transformer"):
+    """The parts of a fairseq checkpoint the converter reads (no weights needed)."""
+    return {"model": {"w": torch.zeros(2)}, "args": None,
+            "cfg": {"model": argparse.Namespace(_name=arch, arch=arch), "common": {"user_dir": "x"},
+                    "criterion": {"_name": "ls_label_smoothed_cross_entropy"},
+                    "optimizer": {"_name": "ls_adam"}},
+            "optimizer_history": [{"criterion_name": "LSLabelSmoothedCrossEntropyCriterion",
+                                   "optimizer_name": "FairseqLSAdam"}]}
+
+
+class Foreign:
+    """A type no fairseq checkpoint holds."""
+
+
+def _bad_inputs(tmp):
+    (tmp / "notes.txt").write_text("these are my notes\n")
+    (tmp / "list.txt").write_text("a\nb\n")
+    torch.save({"model": {}, "cfg": {"x": Foreign()}}, tmp / "foreign.pt")
+    with open(tmp / "pickle.pkl", "wb") as f:
+        pickle.dump({"model": {}}, f, protocol=4)
+    torch.save(torch.ones(3), tmp / "tensor.pt")
+    torch.save({"weights": torch.ones(3)}, tmp / "dict.pt")
+    torch.save(_fake_checkpoint(), tmp / "ls.pt")
+    torch.save(_fake_checkpoint("lstm"), tmp / "lstm.pt")
+    (tmp / "folder").mkdir()
+    return tmp
+
+
+CONVERT_CASES = [  # (input, output, --to, the error after "ls-fairseq-convert: error: ")
+    ("notes.txt", "out/x.pt", "ls", r"not a fairseq checkpoint: {t}/notes.txt \(not a file "
+                                    r"written by torch.save\)"),
+    ("list.txt", "out/x.pt", "ls", r"not a fairseq checkpoint: {t}/list.txt \(not a file written "
+                                   r"by torch.save\)"),
+    ("foreign.pt", "out/x.pt", "ls", r"not a fairseq checkpoint: {t}/foreign.pt \(it holds "
+                                     r"test_bad_input.Foreign, not a type of fairseq's "
+                                     r"checkpoints\)"),
+    ("pickle.pkl", "out/x.pt", "ls", r"not a fairseq checkpoint: {t}/pickle.pkl \(torch.load "
+                                     r"failed: Unsupported operand \d+\)"),
+    ("tensor.pt", "out/x.pt", "ls", r"not a fairseq checkpoint: {t}/tensor.pt holds a Tensor, not "
+                                    r"fairseq's dict of 'model', 'cfg', 'optimizer_history', ..."),
+    ("dict.pt", "out/x.pt", "ls", r"not a fairseq checkpoint: {t}/dict.pt has no 'model' and 'cfg' "
+                                  r"entries \(its keys: weights\)"),
+    ("missing.pt", "out/x.pt", "ls", r"input {t}/missing.pt does not exist"),
+    ("folder", "out/x.pt", "ls", r"input {t}/folder is a folder, not a checkpoint file"),
+    ("ls.pt", "nowhere/x.pt", "fairseq", r"output folder {t}/nowhere does not exist: create it "
+                                         r"first"),
+    ("ls.pt", "out", "fairseq", r"output {t}/out is a folder: give the file name to write"),
+    ("ls.pt", "out/x.pt", "ls", r"{t}/ls.pt: architecture 'ls_transformer' is already an ls_ "
+                                r"architecture; --to fairseq converts the other way"),
+    ("lstm.pt", "out/x.pt", "ls", r"{t}/lstm.pt: fairseq architecture 'lstm' has no ls_ twin; "
+                                  r"supported: transformer, .*"),
+]
+
+
+@pytest.mark.parametrize("src,dst,to,error", CONVERT_CASES, ids=[c[0] + ">" + c[1]
+                                                                 for c in CONVERT_CASES])
+def test_convert_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, src, dst, to,
+                                                              error):
+    _bad_inputs(tmp_path)
+    (tmp_path / "out").mkdir()
+    before = _files(tmp_path), _files(tmp_path / "out")
+    with pytest.raises(SystemExit) as info:
+        convert_checkpoint.main([str(tmp_path / src), str(tmp_path / dst), "--to", to])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch("ls-fairseq-convert: error: " + error.format(t=re.escape(str(tmp_path))),
+                        err.strip()), err
+    assert (_files(tmp_path), _files(tmp_path / "out")) == before
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root reads every file")
+def test_convert_unreadable_input(tmp_path, capsys):
+    torch.save(_fake_checkpoint(), tmp_path / "ls.pt")
+    os.chmod(tmp_path / "ls.pt", 0)
+    with pytest.raises(SystemExit) as info:
+        convert_checkpoint.main([str(tmp_path / "ls.pt"), str(tmp_path / "x.pt"), "--to", "fairseq"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"ls-fairseq-convert: error: cannot read input "
+                                               f"{tmp_path}/ls.pt: permission denied")
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_convert_writes_a_good_input(tmp_path, capsys):
+    torch.save(_fake_checkpoint(), tmp_path / "ls.pt")
+    assert convert_checkpoint.main([str(tmp_path / "ls.pt"), str(tmp_path / "fs.pt"),
+                                    "--to", "fairseq"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path}/fs.pt with arch transformer"
+    assert _files(tmp_path) == ["fs.pt", "ls.pt"]  # no temporary file left
+    state = torch.load(tmp_path / "fs.pt", weights_only=True)
+    assert state["cfg"]["model"] == {"_name": "transformer", "arch": "transformer"}
+    assert state["optimizer_history"][-1] == {"criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                                              "optimizer_name": "FairseqAdam"}
+
+
+def test_convert_command_line_bad_input(tmp_path):
+    (tmp_path / "notes.txt").write_text("these are my notes\n")
+    proc = _run([sys.executable, "-m", "ls_fairseq.cli.convert_checkpoint",
+                 str(tmp_path / "notes.txt"), str(tmp_path / "out.pt"), "--to", "ls"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert _last_line(proc.stderr).startswith(
+        f"ls-fairseq-convert: error: not a fairseq checkpoint: {tmp_path}/notes.txt")
+    assert _files(tmp_path) == ["notes.txt"]
+
+
+def test_convert_reads_its_arguments_before_importing_torch():
+    """--help and usage errors must not wait for torch and fairseq (seconds): the module imports
+    them only after argparse. (Loaded by path, without the package's own imports.)"""
+    path = os.path.join(ROOT, "ls_fairseq", "cli", "convert_checkpoint.py")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('convert_probe', {path!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "for argv in (['--help'], ['a.pt'], ['a.pt', 'b.pt', '--to', 'both']):\n"
+        "    try:\n"
+        "        module.main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        print('exit', exc.code)\n"
+        "print('torch' in sys.modules, 'fairseq' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=60)
+    assert proc.stdout.splitlines()[-4:] == ["exit 0", "exit 2", "exit 2", "False False"], \
+        proc.stdout + proc.stderr
+    assert "error: the following arguments are required: output, --to" in proc.stderr
+    assert "error: argument --to: invalid choice: 'both'" in proc.stderr
+
+
+# ---- ls-fairseq-quickstart ------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,error", [
+    (["--runs", "baseline,fast"], "--runs 'baseline,fast': choose from baseline, ls "
+                                  "(comma-separated)"),
+    (["--runs", ","], "--runs ',': choose from baseline, ls (comma-separated)"),
+    (["--size", "huge"], "argument --size: invalid choice: 'huge' (choose from 'base', 'big', "
+                         "'tiny')"),
+])
+def test_quickstart_usage_errors(argv, error, capsys):
+    with pytest.raises(SystemExit) as info:
+        quickstart.parse_args(argv)
+    assert info.value.code == 2
+    assert _last_line(capsys.readouterr().err) == "ls-fairseq-quickstart: error: " + error
+
+
+def test_quickstart_workdir_is_a_file(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as info:
+        quickstart.parse_args(["--workdir", str(tmp_path / "file")])
+    assert info.value.code == 2
+    assert _last_line(capsys.readouterr().err) == (
+        f"ls-fairseq-quickstart: error: --workdir {tmp_path}/file is a file: give a folder")
+
+
+def test_quickstart_device_cuda_without_gpu(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert quickstart.main(["--device", "cuda", "--workdir", str(tmp_path / "qs")]) == 2
+    assert capsys.readouterr().err.strip() == ("ls-fairseq-quickstart: error: --device cuda: "
+                                               "torch sees no GPU; use --device cpu or auto")
+    assert not (tmp_path / "qs").exists()
