@@ -15,15 +15,19 @@ Without torch or fairseq installed it does none of this (``REGISTERED`` is False
 log-comparison tool ``ls-fairseq-compare`` works with either missing.
 """
 import importlib.util
+import os
+import sys
 
 __version__ = "0.1.0"
 
-# The log tools (ls-fairseq-compare) need neither torch nor fairseq: without them, importing the
-# package registers nothing instead of failing. With both installed, registration happens on
-# import, as fairseq's --user-dir expects; any error in it is raised.
-REGISTERED = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("fairseq") is not None
+#: the plugin's own command-line tools read their arguments before they need torch or fairseq
+#: (``--help`` is instant); they call :func:`register` themselves when they do
+_TOOLS = ("ls-fairseq-convert", "ls-fairseq-compare", "ls-fairseq-quickstart")
 
-if REGISTERED:
+
+def register() -> None:
+    """Register the ls_ components in fairseq's registries and install ``fairseq_patches``
+    (idempotent: Python imports each module once, and the patches check themselves)."""
     from . import checkpoint_compat
 
     checkpoint_compat.allow_fairseq_checkpoints()
@@ -32,3 +36,15 @@ if REGISTERED:
     from . import fairseq_patches
 
     fairseq_patches.install()
+
+
+# The log tools (ls-fairseq-compare) need neither torch nor fairseq: without them, importing the
+# package registers nothing instead of failing. With both installed, registration happens on
+# import, as fairseq's --user-dir expects (any error in it is raised), except inside the
+# plugin's own tools.
+REGISTERED = (importlib.util.find_spec("torch") is not None
+              and importlib.util.find_spec("fairseq") is not None
+              and os.path.basename(sys.argv[0] if sys.argv else "") not in _TOOLS)
+
+if REGISTERED:
+    register()

@@ -233,6 +233,9 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)  # before any torch/fairseq import: --help is instant
+    import ls_fairseq
+
+    ls_fairseq.register()  # the ls_ architectures and checkpoint types (skipped at import here)
 
     def fail(message):
         parser.exit(2, f"{parser.prog}: error: {message}\n")

@@ -162,6 +162,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
+        if ls_fused_output_ce_chunk < 0:
+            raise ValueError(f"--ls-fused-output-ce-chunk must be >= 0 (0: about 256 MiB of "
+                             f"logits per chunk), got {ls_fused_output_ce_chunk}")
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         graphs = switches.resolve(ls_cuda_graphs, ls_no_cuda_graphs, "--ls-cuda-graphs")
         use_graphs = graphs != switches.OFF
