@@ -31,15 +31,14 @@ With the option:
   skips it on the device instead.
 
 fairseq-train builds fairseq's ``Trainer`` by name and has no trainer registry, so replacing these
-two methods is the only way to change them short of a trainer of ls_fairseq's own. ``install()``
-wraps both on the ``Trainer`` class, once, when a criterion is built with the option. The
-wrappers run fairseq's own methods for every trainer whose criterion does not have
-``ls_async_stats`` set. Tested in tests/test_distributed_stats.py (gloo, against fairseq's
+two methods is the only way to change them short of a trainer of ls_fairseq's own. ``ls_fairseq.fairseq_patches``
+wraps both on the ``Trainer`` class when the plugin loads; the wrappers call
+:func:`aggregate_logging_outputs` / :func:`check_grad_norms`, which run fairseq's own methods
+for every trainer whose criterion does not have ``ls_async_stats`` set. Tested in tests/test_distributed_stats.py (gloo, against fairseq's
 ``_check_grad_norms``), tests/gpu/test_distributed_stats_cuda.py (two GPUs, against fairseq's
 ``_all_gather_list_sync``; neither wrapped method waits for the GPU) and tests/test_end_to_end.py
 (two CPU workers of fairseq-train log what one worker with update-freq 2 logs).
 """
-import functools
 import itertools
 import math
 
@@ -131,29 +130,19 @@ def raise_if_inconsistent(norms, amp: bool) -> None:
         + "\n(found at the update after the one that produced them: --ls-async-stats)")
 
 
-def install() -> None:
-    """Wrap ``Trainer._aggregate_logging_outputs`` and ``Trainer._check_grad_norms`` (once per
-    process): the functions above for a trainer whose criterion has ``ls_async_stats`` set,
-    fairseq's own methods for any other."""
-    from fairseq.trainer import Trainer
+def aggregate_logging_outputs(trainer, fairseq_method, logging_outputs, *extra_stats_to_sum,
+                              ignore=False):
+    """``Trainer._aggregate_logging_outputs`` as wrapped by ``fairseq_patches``: the gather over
+    gloo for a trainer whose criterion has ``ls_async_stats`` set, fairseq's own otherwise."""
+    if _applies(trainer):
+        return gather_logging_outputs(trainer, logging_outputs, *extra_stats_to_sum,
+                                      ignore=ignore)
+    return fairseq_method(trainer, logging_outputs, *extra_stats_to_sum, ignore=ignore)
 
-    if getattr(Trainer._check_grad_norms, "_ls_fairseq_hook", False):
-        return
-    aggregate, check = Trainer._aggregate_logging_outputs, Trainer._check_grad_norms
 
-    @functools.wraps(aggregate)
-    def _aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
-        if _applies(self):
-            return gather_logging_outputs(self, logging_outputs, *extra_stats_to_sum,
-                                          ignore=ignore)
-        return aggregate(self, logging_outputs, *extra_stats_to_sum, ignore=ignore)
-
-    @functools.wraps(check)
-    def _check_grad_norms(self, grad_norm):
-        if _applies(self):
-            return check_grad_norms_late(self, grad_norm)
-        return check(self, grad_norm)
-
-    _aggregate_logging_outputs._ls_fairseq_hook = _check_grad_norms._ls_fairseq_hook = True
-    Trainer._aggregate_logging_outputs = _aggregate_logging_outputs
-    Trainer._check_grad_norms = _check_grad_norms
+def check_grad_norms(trainer, fairseq_method, grad_norm):
+    """``Trainer._check_grad_norms`` as wrapped by ``fairseq_patches``: the late comparison for a
+    trainer whose criterion has ``ls_async_stats`` set, fairseq's own otherwise."""
+    if _applies(trainer):
+        return check_grad_norms_late(trainer, grad_norm)
+    return fairseq_method(trainer, grad_norm)

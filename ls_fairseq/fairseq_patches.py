@@ -6,7 +6,8 @@ below says what it changes, why, and for which runs; every wrapper runs fairseq'
 unchanged for any run it does not concern. :func:`install` applies them all, once per process;
 ``ls_fairseq/__init__.py`` calls it, so loading the plugin (``--user-dir``) installs them.
 Written against fairseq 0.12.2 (and fairseq-fixed 0.12.3.1, the same code); each wrapper checks
-that the method it wraps exists. Tested in tests/test_fairseq_patches.py.
+that the method it wraps exists. Tested in tests/test_fairseq_patches.py (and end to end where
+the docstring of each test file there says).
 
 1. ``FP16Optimizer.build_optimizer`` (fused fp16 copy): with ``--optimizer ls_adam`` under
    ``--fp16``/``--bf16`` it builds :class:`ls_fairseq.optim.ls_adam.LSFusedFP16Optimizer`
@@ -120,9 +121,25 @@ def _patch_train_step():
 # ---- 3. Trainer's exchanges between workers -----------------------------------------------
 
 def _patch_distributed_stats():
+    from fairseq.trainer import Trainer
+
     from . import distributed_stats
 
-    distributed_stats.install()
+    def make_aggregate(original):
+        @functools.wraps(original)
+        def _aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
+            return distributed_stats.aggregate_logging_outputs(
+                self, original, logging_outputs, *extra_stats_to_sum, ignore=ignore)
+        return _aggregate_logging_outputs
+
+    def make_check(original):
+        @functools.wraps(original)
+        def _check_grad_norms(self, grad_norm):
+            return distributed_stats.check_grad_norms(self, original, grad_norm)
+        return _check_grad_norms
+
+    _wrap(Trainer, "_aggregate_logging_outputs", make_aggregate)
+    _wrap(Trainer, "_check_grad_norms", make_check)
 
 
 def install() -> None:

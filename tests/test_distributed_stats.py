@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fairseq.trainer import Trainer
 
 from fairseq_helpers import run_workers
-from ls_fairseq import distributed_stats
+from ls_fairseq import distributed_stats, fairseq_patches
 from ls_fairseq.host_copy import HostCopy
 from ls_fairseq.optim import deferred_overflow
 
@@ -65,7 +65,7 @@ def _same(a, b):
 
 
 def _gather_worker(rank):
-    distributed_stats.install()
+    fairseq_patches.install()
     trainer = _fake_trainer(rank)
     out = {}
     sent, _, extra = _logs(rank)
@@ -114,7 +114,7 @@ def _raises(fn, *args):
 
 
 def _norms_worker(rank):
-    distributed_stats.install()
+    fairseq_patches.install()
     fairseq_check = Trainer._check_grad_norms.__wrapped__
     out = {"ours": [], "fairseq": [], "same_update": []}
     for case in NORM_CASES + OVERFLOWS:
@@ -180,9 +180,9 @@ def test_one_process_runs_keep_the_deferred_overflow_check():
 
 
 def test_install_is_idempotent_and_keeps_fairseqs_methods_reachable():
-    distributed_stats.install()
+    fairseq_patches.install()
     first = Trainer._aggregate_logging_outputs, Trainer._check_grad_norms
-    distributed_stats.install()
+    fairseq_patches.install()
     assert (Trainer._aggregate_logging_outputs, Trainer._check_grad_norms) == first
     assert Trainer._check_grad_norms.__wrapped__.__module__ == "fairseq.trainer"
     assert Trainer._aggregate_logging_outputs.__wrapped__.__module__ == "fairseq.trainer"

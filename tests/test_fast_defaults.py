@@ -1,7 +1,6 @@
 """The three speed mechanisms are on by default where they apply and step aside elsewhere with one
 log line; ``--ls-X`` requires one (refused where it cannot apply), ``--ls-no-X`` turns it off
-(ls_fairseq/switches.py). Also: ``--bf16`` without torch_xla trains on the usual device, and the
-train_step patch waits for the GPU only before a logged interval of a deferred run.
+(ls_fairseq/switches.py). Also: ``--bf16`` without torch_xla trains on the usual device.
 
 The mechanisms themselves are tested elsewhere (graphs: tests/gpu/test_cuda_graphs_cuda.py;
 fused copy and deferred check: tests/test_deferred_overflow.py, tests/gpu/test_adam_cuda.py);
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fairseq_helpers import DummyTask, build_model, make_dictionary, random_sample
-from ls_fairseq import fairseq_patches, switches
+from ls_fairseq import switches
 from ls_fairseq.criterions.cuda_graphs import CudaGraphedLoss
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
     LSLabelSmoothedCrossEntropyCriterion,
@@ -204,46 +203,3 @@ def test_ls_architectures_apply_it():
         ARCH_CONFIG_REGISTRY[name](args)
         assert args.tpu is False, name
         assert args.encoder_embed_dim > 0  # fairseq's defaults were applied too
-
-
-# ---- honest interval wps (fairseq_patches) ---------------------------------------------------
-
-class _Trainer:
-    def __init__(self, num_updates, defers, device="cuda", log_interval=10):
-        self.cfg = SimpleNamespace(common=SimpleNamespace(log_interval=log_interval))
-        self._optimizer = SimpleNamespace(defers_host_reads=defers)
-        self.device = torch.device(device)
-        self._n = num_updates
-
-    def get_num_updates(self):
-        return self._n
-
-
-@pytest.mark.parametrize("num_updates,defers,device,log_output,waits", [
-    (20, True, "cuda", {}, True),     # a logged update of a deferred run on the GPU
-    (21, True, "cuda", {}, False),    # not logged
-    (20, False, "cuda", {}, False),   # the update read its grad norm back already
-    (20, True, "cpu", {}, False),     # nothing queued on a CPU
-    (20, True, "cuda", None, False),  # no update (OOM, overflow): fairseq-train does not log
-])
-def test_waits_for_the_gpu_only_before_a_logged_interval_of_a_deferred_run(
-        monkeypatch, num_updates, defers, device, log_output, waits):
-    calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    trainer = _Trainer(num_updates, defers, device)
-    assert fairseq_patches.wait_before_log(trainer, log_output) is waits
-    assert len(calls) == int(waits)
-
-
-def test_patches_are_installed_once_and_reach_fairseqs_methods():
-    from fairseq.optim.fp16_optimizer import FP16Optimizer
-    from fairseq.trainer import Trainer
-
-    fairseq_patches.install()
-    first = (Trainer.train_step, FP16Optimizer.build_optimizer.__func__,
-             Trainer._check_grad_norms)
-    fairseq_patches.install()
-    assert (Trainer.train_step, FP16Optimizer.build_optimizer.__func__,
-            Trainer._check_grad_norms) == first
-    assert Trainer.train_step.__wrapped__.__module__ == "fairseq.trainer"

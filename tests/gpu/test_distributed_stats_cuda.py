@@ -7,14 +7,11 @@
   runs. fairseq's gather, run the same way, returns only after it (which shows the probe works).
 * The late grad-norm check raises at the next update exactly when fairseq's check raises.
 """
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq_helpers import run_workers  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
@@ -58,10 +55,10 @@ def _worker(rank):
     import torch.distributed as dist
     from fairseq.trainer import Trainer
 
-    from ls_fairseq import distributed_stats
+    from ls_fairseq import distributed_stats, fairseq_patches
     from ls_fairseq.criterions.host_scalars import for_logging
 
-    distributed_stats.install()
+    fairseq_patches.install()
     group = dist.new_group()  # as fairseq's data-parallel group
     dist.all_reduce(torch.zeros(1, device="cuda"), group=group)  # NCCL set up before timing
     ours_trainer = _trainer(rank, group)  # one trainer: one gloo group, created here
