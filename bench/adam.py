@@ -83,7 +83,7 @@ def time_host(fn, reps):
 
 
 def kernel_rows(shapes, reps):
-    from ls_fairseq.ops._adam_cuda import adam_step_cuda
+    from ls_fairseq.ops.adam import adam_step_cuda
 
     numel = [torch.Size(s).numel() for s in shapes]
     total = sum(numel)

@@ -30,18 +30,15 @@ is where per-shape planning shows), the steady-state time per fwd+bwd (CUDA even
 import argparse
 import contextlib
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import cuda_event_ms  # noqa: E402
 
 from ls_fairseq.ops import _extension  # noqa: E402
-from ls_fairseq.ops._attention_cuda import attention_cuda, attention_cuda_packed  # noqa: E402
+from ls_fairseq.ops.attention import attention_cuda, attention_cuda_packed  # noqa: E402
 from ls_fairseq.ops.attention import attention_reference  # noqa: E402
 
 DEV = "cuda"

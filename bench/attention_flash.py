@@ -17,17 +17,12 @@ Rows (GPU ms per fwd+bwd from torch.profiler, so launch overhead is left out: un
     python bench/attention_flash.py [--iters 20]
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from attention import gpu_ms, padding_mask  # noqa: E402
 
-from ls_fairseq.ops._attention_cuda import attention_cuda_packed  # noqa: E402
+from ls_fairseq.ops.attention import attention_cuda_packed  # noqa: E402
 
 H, D, P = 16, 64, 0.1
 SHAPES = [(256, 32), (224, 36), (128, 64), (64, 128), (32, 256)]

@@ -14,16 +14,13 @@ reserved: the instantiated graphs' own memory), averaged over the shapes after t
 """
 import argparse
 import collections
-import os
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch  # noqa: E402
+from ls_fairseq.testing.fairseq_helpers import (
+    DummyTask, build_model, make_dictionary, random_batch,
+)
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
@@ -58,7 +55,7 @@ def main():
     ap.add_argument("--memory", choices=["compact", "grow"], default="compact",
                     help="--ls-cuda-graphs-memory (bench/graph_memory.py breaks memory down)")
     args = ap.parse_args()
-    torch.cuda.CUDAGraph = TimedGraph  # read by cuda_graphs.py at each capture
+    torch.cuda.CUDAGraph = TimedGraph  # read by ls_fairseq/graphs/replay.py at each capture
     d = make_dictionary(32000)
     model = build_model(ARCH, d, ["--share-all-embeddings", "--dropout", "0.3",
                                   "--attention-dropout", "0.1", "--activation-dropout", "0.1"])

@@ -45,7 +45,7 @@ def _fairseq_ce(logits, target):
 
 
 def _ours(inplace):
-    from ls_fairseq.ops._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda
+    from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_rows_cuda
 
     def run(logits, target):
         rows = label_smoothed_cross_entropy_rows_cuda(logits, target, EPS, PAD,
@@ -112,7 +112,7 @@ def bench_ce(dtype, reps, shapes):
 
 
 def bench_output_ce(dtype, reps, shapes, d=1024):
-    from ls_fairseq.ops._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda
+    from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_rows_cuda
     from ls_fairseq.ops.fused_output_cross_entropy import fused_output_cross_entropy
 
     print(f"\nOutput projection (D={d}) + CE, forward+backward, {dtype} "

@@ -15,13 +15,9 @@ itself does not call cuBLASLt.
 
     python bench/cublaslt_epilogues.py
 """
-import os
-import sys
-
 import torch
 from torch.utils.cpp_extension import load_inline
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import cuda_event_ms  # noqa: E402
 
 SOURCE = r'''

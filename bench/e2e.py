@@ -68,7 +68,6 @@ import profile_summary
 FLOP_PER_TOKEN = 1.27e9
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 from ls_fairseq.cli.compare import (  # noqa: E402
     CURVE_FROM, holds_skipped_update, largest_jump, loss_curve, loss_difference, timed_tokens)
 

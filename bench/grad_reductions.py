@@ -13,12 +13,9 @@ docs/PERFORMANCE.md). Prints two tables:
     python bench/grad_reductions.py
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import cuda_event_ms as gpu_ms  # noqa: E402
 
 

@@ -29,10 +29,6 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]
-
 ARCH = "ls_transformer_wmt_en_de_big_t2t"
 GiB = 2**30
 
@@ -41,7 +37,7 @@ def shape_stream(sentences, max_tokens, epochs, seed):
     """The padded batch shapes (rows, source length, target length) of ``epochs`` shuffled
     epochs, as the criterion's ShapeBuckets pads them (16 steps per doubling, slack 0.2)."""
     from shape_buckets import batches
-    from ls_fairseq.criterions.shape_buckets import ShapeBuckets
+    from ls_fairseq.graphs.shape_buckets import ShapeBuckets
     raw = batches(sentences, max_tokens, seed)
     buckets, rng, out = ShapeBuckets(16, 0.2), np.random.default_rng(seed + 1), []
     for _ in range(epochs):
@@ -70,7 +66,9 @@ def breakdown(capture_stream):
 
 def run_one(args):
     import torch
-    from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch
+    from ls_fairseq.testing.fairseq_helpers import (
+        DummyTask, build_model, make_dictionary, random_batch,
+    )
     from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
         LSLabelSmoothedCrossEntropyCriterion,
     )

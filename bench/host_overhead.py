@@ -10,16 +10,11 @@ time per step is reported.
     python bench/host_overhead.py --tokens 8192 16384
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from fairseq_helpers import build_model, make_dictionary, random_batch  # noqa: E402
+from ls_fairseq.testing.fairseq_helpers import build_model, make_dictionary, random_batch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss  # noqa: E402
 
 from ls_fairseq import ops  # noqa: E402

@@ -27,7 +27,6 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402
 
 # Prepended to e2e.WRAPPER (which then runs fairseq-train in the same interpreter).

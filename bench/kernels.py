@@ -15,14 +15,11 @@ here (bytes read + bytes written). Times are medians of CUDA-event timings, each
 """
 import argparse
 import math
-import os
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ls_fairseq.ops import _extension  # noqa: E402
 
@@ -34,10 +31,10 @@ PAD = 1
 def _ops():
     if not _extension.load():
         sys.exit(f"CUDA extension unavailable: {_extension.failure_reason()}")
-    # the autograd/fake registrations live in the binding modules
-    from ls_fairseq.ops import (  # noqa: F401
-        _bias_act_dropout_cuda, _bias_dropout_residual_cuda, _embedding_cuda, _layer_norm_cuda,
-    )
+    # the autograd/fake registrations of every binding (embedding_fwd's autograd is Python)
+    from ls_fairseq.ops import load_kernels
+
+    load_kernels()
 
     return torch.ops.ls_fairseq
 
@@ -191,7 +188,7 @@ def run_bench(args):
 def run_smoke():
     """Each kernel path once on tiny inputs: for compute-sanitizer (memcheck / racecheck)."""
     ops = _ops()
-    from ls_fairseq.ops._layer_norm_cuda import layer_norm_cuda
+    from ls_fairseq.ops.layer_norm import layer_norm_cuda
 
     torch.manual_seed(0)
     for dtype in (torch.float16, torch.float32):

@@ -8,17 +8,14 @@ residual gradient, y's gradient through the dropout mask, three column sums) and
 To compare two trees, run it from each on the same GPU (each builds its own extension):
 
     python bench/layer_norm_bwd.py new
-    (cd /path/to/other/tree && python /path/to/this/bench/layer_norm_bwd.py old)
+    (cd /path/to/other/tree && PYTHONPATH=. python /path/to/this/bench/layer_norm_bwd.py old)
 """
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import cuda_event_ms  # noqa: E402
 
-sys.path.insert(0, os.getcwd())  # the tree being measured
 from ls_fairseq.ops import _extension  # noqa: E402
 
 

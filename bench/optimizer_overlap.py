@@ -10,13 +10,10 @@ ReLU and a LayerNorm. Prints the GPU time of each alone, one after the other, an
     python bench/optimizer_overlap.py
 """
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import cuda_event_ms  # noqa: E402
 
 

@@ -14,16 +14,12 @@ packed, and the distinct graph keys without and with the packed count.
     python bench/packed_targets.py --sentences 40000 400000 --max-tokens 8192 65536
 """
 import argparse
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shape_buckets import fairseq_batches  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ls_fairseq.criterions.shape_buckets import ShapeBuckets, bucket  # noqa: E402
+from ls_fairseq.graphs.shape_buckets import ShapeBuckets, bucket  # noqa: E402
 
 
 def study(out, src, tgt, steps, slack, packed_grid, seed):

@@ -56,7 +56,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 USER_DIR = os.path.join(ROOT, "ls_fairseq")
-sys.path.insert(0, HERE)
 import e2e  # noqa: E402  (its corpus binarisation)
 import learnable_corpus  # noqa: E402
 
@@ -352,7 +351,7 @@ def main(argv=None):
     if any(VARIANTS[v]["arch"].startswith("ls_") for v in variants) and \
             os.environ.get("LS_FAIRSEQ_KERNELS", "auto") != "off":
         t1 = time.time()  # build the extension once, before the runs load it concurrently
-        from ls_fairseq.ops import _extension  # on the path through e2e
+        from ls_fairseq.ops import _extension
 
         print("extension", "ok" if _extension.load() else "FAILED: " +
               _extension.failure_reason()[-2000:], f"{time.time() - t1:.0f}s", flush=True)

@@ -25,21 +25,17 @@ criterion's ``ShapeBuckets``, fed the batches in training order) it prints
 """
 import argparse
 import collections
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import wmt_like_lengths  # noqa: E402
 from fairseq.data import data_utils  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ls_fairseq.criterions.cuda_graphs import (  # noqa: E402
+from ls_fairseq.graphs.capture_policy import (  # noqa: E402
     CAPTURE_CHOICES, CapturePolicy, captures_first_sighting,
 )
-from ls_fairseq.criterions.graph_memory import MEMORY_CHOICES  # noqa: E402
-from ls_fairseq.criterions.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
+from ls_fairseq.graphs.memory import MEMORY_CHOICES  # noqa: E402
+from ls_fairseq.graphs.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
 
 
 def fairseq_batches(sentences, max_tokens, seed):

@@ -23,6 +23,7 @@
 
 #include "check.h"
 #include "device_utils.cuh"
+#include "launch_utils.h"
 
 namespace ls_fairseq_ce {
 
@@ -292,16 +293,6 @@ void check_common(const at::Tensor& logits, const at::Tensor& target) {
               "ls_cross_entropy: more than 2^31-1 rows");
 }
 
-#define LS_CE_DISPATCH(TYPE, NAME, ...)                                              \
-  [&] {                                                                              \
-    switch (TYPE) {                                                                  \
-      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }             \
-      case at::kHalf: { using scalar_t = __half; return __VA_ARGS__(); }             \
-      case at::kBFloat16: { using scalar_t = __nv_bfloat16; return __VA_ARGS__(); }  \
-      default: LSF_CHECK(false, NAME, ": unsupported dtype ", TYPE);               \
-    }                                                                                \
-  }()
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_fwd(
     const at::Tensor& logits, const at::Tensor& target, double epsilon, int64_t ignore_index,
     bool compute_argmax) {
@@ -318,10 +309,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_fwd(
   const float smooth_coef = static_cast<float>(eps_i);
   const float nll_coef = static_cast<float>(1.0 - epsilon - eps_i);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  LS_CE_DISPATCH(logits.scalar_type(), "ls_cross_entropy_fwd", [&] {
-    const int threads = threads_for(V, sizeof(scalar_t));
-    ce_fwd_kernel<scalar_t><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-        reinterpret_cast<const scalar_t*>(logits.data_ptr()), target.data_ptr<int64_t>(), N, V,
+  LSF_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "ls_cross_entropy_fwd", [&] {
+    const int threads = threads_for(V, sizeof(T));
+    ce_fwd_kernel<T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+        reinterpret_cast<const T*>(logits.data_ptr()), target.data_ptr<int64_t>(), N, V,
         smooth_coef, nll_coef, ignore_index, loss_rows.data_ptr<float>(),
         nll_rows.data_ptr<float>(), lse.data_ptr<float>(),
         compute_argmax ? argmax.data_ptr<int64_t>() : nullptr);
@@ -366,12 +357,12 @@ void ce_bwd_launch(const c10::optional<at::Tensor>& grad_loss,
   const bool vectorize = ((reinterpret_cast<uintptr_t>(logits.data_ptr()) ^
                            reinterpret_cast<uintptr_t>(out.data_ptr())) & 15) == 0;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  LS_CE_DISPATCH(logits.scalar_type(), "ls_cross_entropy_bwd", [&] {
-    const int threads = threads_for(V, sizeof(scalar_t));
-    ce_bwd_kernel<scalar_t><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-        gl, gl_stride, gn, gn_stride, reinterpret_cast<const scalar_t*>(logits.data_ptr()),
+  LSF_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "ls_cross_entropy_bwd", [&] {
+    const int threads = threads_for(V, sizeof(T));
+    ce_bwd_kernel<T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+        gl, gl_stride, gn, gn_stride, reinterpret_cast<const T*>(logits.data_ptr()),
         target.data_ptr<int64_t>(), lse.data_ptr<float>(), V, smooth_coef, nll_coef,
-        ignore_index, reinterpret_cast<scalar_t*>(out.data_ptr()), vectorize);
+        ignore_index, reinterpret_cast<T*>(out.data_ptr()), vectorize);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -1,6 +1,9 @@
-// Device helpers shared by the elementwise kernels (dropout fusions, embedding): fp32 <-> storage
-// dtype conversion, 16-byte vector loads/stores with scalar tails, and the Philox4x32-10 dropout
-// mask, which depends only on (seed, offset, row, column) so backward regenerates it exactly.
+// Device helpers shared by the kernels (dropout fusions, embedding, LayerNorm and the fused
+// sublayer boundary, ...): fp32 <-> storage dtype conversion, 16-byte vector loads/stores (with
+// scalar tails, or whole vectors of one row), the Philox4x32-10 dropout mask, which depends only on
+// (seed, offset, row, column) so backward regenerates it exactly, and the one column-sum kernel that
+// turns per-block float32 partials into a bias/weight gradient in a fixed order (its host launcher
+// is sum_partials in launch_utils.h).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -98,6 +101,55 @@ __device__ __forceinline__ void keep_mask(uint64_t seed, uint64_t offset, int64_
     keep[4 * q + 1] = r.y >= threshold;
     keep[4 * q + 2] = r.z >= threshold;
     keep[4 * q + 3] = r.w >= threshold;
+  }
+}
+
+// ---------------------------------------------------------------- whole 16-byte vectors of a row
+// VEC values at p (16-byte aligned when VEC * sizeof(T) == 16), as float.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[VEC]) {
+  const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = to_float(pk.v[i]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[VEC]) {
+  Pack<T, VEC> pk;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) pk.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
+}
+
+// ---------------------------------------------------------------- column sums of partials
+// Up to three [chunks, C] float32 partial arrays and their [C] outputs, summed by one launch.
+struct ColumnSums {
+  const float* part[3];
+  void* out[3];
+};
+
+// Sum of per-block column partials: out[a] [C] (T) = the column sums of part[a] [chunks, C]
+// (float), the array a picked by blockIdx.y. Block (32, 32): threadIdx.x picks the column,
+// threadIdx.y a strided subset of the chunks; the 32 subtotals are added in a fixed order
+// (deterministic).
+template <typename T>
+__global__ void __launch_bounds__(1024)
+    column_sum_kernel(ColumnSums sums, int64_t chunks, int64_t C) {
+  __shared__ float sub[32][33];
+  const float* __restrict__ partial = sums.part[blockIdx.y];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (c < C) {
+#pragma unroll 4
+    for (int64_t k = threadIdx.y; k < chunks; k += 32) s += partial[k * C + c];
+  }
+  sub[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) t += sub[q][threadIdx.x];
+    reinterpret_cast<T*>(sums.out[blockIdx.y])[c] = from_float<T>(t);
   }
 }
 

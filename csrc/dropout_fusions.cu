@@ -18,7 +18,8 @@
 // Threads: block (32, 8).  threadIdx.x walks column chunks of W elements (one 16-byte vector when
 // C allows it, else 4 scalars with a bounds check), threadIdx.y and blockIdx.y stride over rows.
 // The bias gradient is a per-thread column sum, reduced across the block in shared memory and
-// written as per-block partials [gridDim.y, C]; a second kernel sums them in a fixed order
+// written as per-block partials [gridDim.y, C]; a second kernel (the column-sum kernel of
+// device_utils.cuh, which LayerNorm's weight/bias gradients use too) sums them in a fixed order
 // (deterministic, no atomics).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -86,32 +87,8 @@ int act_code(const std::string& name) {
 }
 
 // ---------------------------------------------------------------- launch helpers
-
-
-
-// Sum of per-block column partials [chunks, C] (float) into out [C] (T). Block (32, 32):
-// threadIdx.x picks the column, threadIdx.y a strided subset of the chunks; the 32 subtotals are
-// added in a fixed order (deterministic).
-template <typename T>
-__global__ void __launch_bounds__(1024)
-    column_sum_kernel(const float* __restrict__ partial, int64_t chunks, int64_t C,
-                      T* __restrict__ out) {
-  __shared__ float sub[32][33];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (c < C) {
-#pragma unroll 4
-    for (int64_t k = threadIdx.y; k < chunks; k += 32) s += partial[k * C + c];
-  }
-  sub[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float t = 0.f;
-#pragma unroll
-    for (int q = 0; q < 32; ++q) t += sub[q][threadIdx.x];
-    out[c] = from_float<T>(t);
-  }
-}
+// (the column sum of the partials is lsf::column_sum_kernel, device_utils.cuh, launched by
+// lsf::sum_partials, launch_utils.h)
 
 // Block-reduce the per-thread column sums acc[W] over threadIdx.y and write one partial row.
 template <int W>
@@ -345,9 +322,7 @@ at::Tensor finish_bias_grad(const at::Tensor& partial, int64_t C, const at::Tens
                             cudaStream_t stream) {
   auto out = at::empty({C}, like.options());
   LSF_DISPATCH_FLOAT_TYPES(like.scalar_type(), "ls_fairseq bias grad", [&] {
-    column_sum_kernel<T><<<static_cast<unsigned>((C + 31) / 32), dim3(32, 32), 0, stream>>>(
-        partial.data_ptr<float>(), partial.size(0), C, reinterpret_cast<T*>(out.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    sum_partials<T>({{partial, out}}, partial.size(0), C, stream);
   });
   return out;
 }

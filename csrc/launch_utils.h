@@ -1,17 +1,21 @@
 // Host-side launch helpers shared by the elementwise kernels (dropout fusions, embedding,
-// LayerNorm): dtype dispatch (checks without std::ostream, see check.h), multiprocessor count,
-// the 16-byte-vector test and the grid of the row/column kernels.
+// LayerNorm, the fused sublayer boundary): the one dtype dispatch (LSF_DISPATCH_FLOAT_TYPES:
+// float/__half/__nv_bfloat16 as T, checks without std::ostream, see check.h), multiprocessor count,
+// the 16-byte-vector test, the grid of the row/column kernels and the launch of the column-sum
+// kernel (sum_partials). For .cu files only (it launches a kernel).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "check.h"
+#include "device_utils.cuh"
 
 #define LSF_DISPATCH_FLOAT_TYPES(DTYPE, NAME, ...)                                              \
   [&] {                                                                                         \
@@ -70,6 +74,26 @@ dim3 grid_for(Kernel kernel, int64_t rows, int64_t units, int device) {
   gy = std::max<int64_t>(1, std::min<int64_t>(gy, 65535));
   LSF_CHECK(gx <= 2147483647, "ls_fairseq: hidden size too large");
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1);
+}
+
+
+// Each out [C] = the fixed-order column sum of its float32 partials [chunks, C]; pairs whose
+// partials are undefined are skipped, the rest share one launch.
+template <typename T>
+void sum_partials(std::initializer_list<std::pair<at::Tensor, at::Tensor>> pairs, int64_t chunks,
+                  int64_t C, cudaStream_t stream) {
+  ColumnSums sums{};
+  unsigned n = 0;
+  for (const auto& [part, out] : pairs) {
+    if (!part.defined()) continue;
+    sums.part[n] = part.data_ptr<float>();
+    sums.out[n] = out.data_ptr();
+    ++n;
+  }
+  if (n == 0) return;
+  column_sum_kernel<T><<<dim3(static_cast<unsigned>((C + 31) / 32), n), dim3(32, 32), 0, stream>>>(
+      sums, chunks, C);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace lsf

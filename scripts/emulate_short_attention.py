@@ -5,8 +5,8 @@ It runs the kernel's two kernels line by line in numpy, one warp at a time: ldma
 region is a separate array (an index past a region raises instead of reading its neighbour),
 outputs start as NaN (an element never written fails), and the dS^T rows are poisoned before
 phase 2 reads them. The results are compared with a float64 attention under the same Philox
-dropout mask (tests/gpu/kernel_oracle.py), forward and backward, over odd lengths, cross and
-causal shapes, padding, empty rows and head sizes 16/32/64.
+dropout mask (ls_fairseq/testing/kernel_oracle.py), forward and backward, over odd lengths, cross
+and causal shapes, padding, empty rows and head sizes 16/32/64.
 
 What it checks: the kernel's index math (which lane holds which element, the dropout bit layout,
 the dS^T transposition, masking, log2-unit softmax and lse). What it cannot check: the CUDA code
@@ -17,14 +17,12 @@ the output's scale (fp16 rounding gives ~1e-3; a wrong index gives O(1)).
     python scripts/emulate_short_attention.py      # ~10 s
 """
 import math
-import os
 import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
-from kernel_oracle import philox4x32_10, philox_keep  # noqa: E402
+from ls_fairseq.testing.kernel_oracle import philox4x32_10, philox_keep
 
 T = np.arange(32)
 LOG2E = 1.4426950408889634

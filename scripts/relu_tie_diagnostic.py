@@ -5,17 +5,21 @@ fairseq in fp32 (the truth), record each feed-forward block's input in both, and
 how many (position, unit) pre-activations have opposite signs, the largest |pre-activation| among
 them, and fc1.weight's gradient error over all units and over the units that did not flip.
 
-    source .gpu/setup.sh && LS_FAIRSEQ_KERNELS=require python scripts/relu_tie_diagnostic.py
+    source .gpu/setup.sh && PYTHONPATH=tests:tests/gpu:$PYTHONPATH LS_FAIRSEQ_KERNELS=require \
+        python scripts/relu_tie_diagnostic.py
+
+(tests/ and tests/gpu/ on PYTHONPATH: it drives tests/gpu/test_model_cuda.py's own cases.)
 
 Records the inputs by wrapping ls_fairseq.modules.sublayers.feed_forward (this script only).
 """
 import os, sys, warnings
 warnings.filterwarnings("ignore")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests")); sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 import torch
-from fairseq_helpers import make_dictionary
-import test_model_cuda as T
+from ls_fairseq.testing.fairseq_helpers import make_dictionary
+try:
+    import test_model_cuda as T
+except ModuleNotFoundError as e:
+    sys.exit(f"{e}: run from the repository root with PYTHONPATH=tests:tests/gpu (see the docstring)")
 from ls_fairseq.modules import encoder_layer as EL, decoder_layer as DL
 
 d = make_dictionary(203)

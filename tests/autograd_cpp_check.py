@@ -22,7 +22,7 @@ from torch.utils import cpp_extension
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 lib = torch.library.Library("ls_fairseq", "FRAGMENT")
-for name in ("layer_norm.cu", "dropout_fusions.cu"):
+for name in ("layer_norm.cu", "bias_dropout_residual_layer_norm.cu", "dropout_fusions.cu"):
     with open(os.path.join(CSRC, name)) as f:
         for m in re.finditer(r'm\.def\(((?:\s*"[^"]*")+)', f.read()):
             lib.define("".join(re.findall(r'"([^"]*)"', m.group(1))))
@@ -80,7 +80,9 @@ def bdr_ln_bwd(g, x, w, lb, mean, rstd, gx, rng, p, train, wg, lbg, bg):
 lib.impl("bias_dropout_residual_layer_norm_bwd", bdr_ln_bwd, "CPU")
 for name, fn in [("layer_norm_fwd", ln_fwd), ("layer_norm_bwd", ln_bwd), ("bias_dropout_residual_fwd", bdr_fwd), ("bias_dropout_residual_bwd", bdr_bwd), ("bias_act_dropout_fwd", bad_fwd), ("bias_act_dropout_bwd", bad_bwd), ("relu_dropout_bwd", relu_bwd)]:
     lib.impl(name, fn, "CPU")
-cpp_extension.load(name="ls_fairseq_autograd_check", sources=[os.path.join(CSRC, "layer_norm_autograd.cpp"), os.path.join(CSRC, "dropout_fusions_autograd.cpp")], build_directory=sys.argv[1], is_python_module=False, verbose=False)
+AUTOGRAD_SOURCES = ("layer_norm_autograd.cpp", "bias_dropout_residual_layer_norm_autograd.cpp",
+                    "dropout_fusions_autograd.cpp")
+cpp_extension.load(name="ls_fairseq_autograd_check", sources=[os.path.join(CSRC, f) for f in AUTOGRAD_SOURCES], build_directory=sys.argv[1], is_python_module=False, verbose=False)
 ops = torch.ops.ls_fairseq
 torch.manual_seed(0)
 def leaf(*s): return torch.randn(*s, dtype=torch.double).requires_grad_()

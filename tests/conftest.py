@@ -1,12 +1,7 @@
+"""Every test: the ``gpu`` marker (declared with ``slow`` in pytest.ini) skips a test where no
+CUDA device is visible. The GPU tests' shared setup is tests/gpu/conftest.py."""
 import pytest
 import torch
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "gpu: needs a CUDA device and the ls_fairseq CUDA extension (skipped otherwise)"
-    )
-    config.addinivalue_line("markers", "slow: end-to-end runs of fairseq-train/generate")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,14 +5,11 @@ batch size and to the right reference, also after a JSON round trip, whose keys 
 counts as a run that does not fit, the GEMM probe's parsing, the steady-state intervals timed by
 the wrapper's stamps (also in a tiny real fairseq-train on CPU), and the largest-batch bisection."""
 import json
-import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "bench"))
-import e2e  # noqa: E402
+import e2e  # bench/ (pytest.ini's pythonpath)
 
 
 def _row(variant, max_tokens, curve, overflows=0, skipped=()):

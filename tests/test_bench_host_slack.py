@@ -6,10 +6,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "bench"))
-import e2e  # noqa: E402
-import host_slack  # noqa: E402
+import e2e  # bench/ (pytest.ini's pythonpath)
+import host_slack
 
 
 def _records(n, period, step, data, log, start=100.0):

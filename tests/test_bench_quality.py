@@ -6,17 +6,13 @@ the verdict against the baseline (closed-form rows), and one tiny real run of th
 """
 import collections
 import json
-import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
-import learnable_corpus  # noqa: E402
-import quality  # noqa: E402
+import learnable_corpus  # bench/ (pytest.ini's pythonpath)
+import quality
 
 
 def _read(path):

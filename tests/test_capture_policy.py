@@ -1,19 +1,16 @@
 """``--ls-cuda-graphs-capture``: when a batch shape without graphs is captured (``CapturePolicy``)
 and which policy the criterion picks. The captures and replays themselves run on the GPU
 (tests/gpu/test_cuda_graphs_cuda.py, ``test_first_sighting_captures_match_eager``)."""
-import os
 import random
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fairseq_helpers import DummyTask, make_dictionary  # noqa: E402
 from test_shape_buckets import TranslationLikeTask  # noqa: E402
-from ls_fairseq.criterions.cuda_graphs import CapturePolicy  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
+from ls_fairseq.graphs.capture_policy import CapturePolicy  # noqa: E402
 
 SIG = ("model", ("prev_output_tokens", "src_lengths", "src_tokens"), False, "ranks, dtypes")
 

@@ -10,6 +10,7 @@ Two kinds of input:
 * logs made here by running fairseq-train on a tiny corpus (CPU): simple + --log-file of the same
   run, and a json run interrupted and resumed from an older checkpoint.
 """
+import importlib.util
 import json
 import os
 import random
@@ -24,10 +25,11 @@ from ls_fairseq.cli import compare
 from ls_fairseq.cli.compare import column as col
 
 LOGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "logs")
-sys.path.insert(0, LOGS)
-import make_samples as samples  # noqa: E402
-
-sys.path.remove(LOGS)
+# the samples' generator (a script in LOGS), loaded from its file
+_spec = importlib.util.spec_from_file_location("make_samples",
+                                               os.path.join(LOGS, "make_samples.py"))
+samples = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(samples)
 
 TOTAL_GB = samples.TOTAL_GB
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from fairseq_helpers import DummyTask, build_model, make_dictionary, random_sample
 from ls_fairseq import switches
-from ls_fairseq.criterions.cuda_graphs import CudaGraphedLoss
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
     LSLabelSmoothedCrossEntropyCriterion,
 )
+from ls_fairseq.graphs import CudaGraphedLoss
 from ls_fairseq.models import ls_transformer
 from ls_fairseq.optim import deferred_overflow, ls_adam
 

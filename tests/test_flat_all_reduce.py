@@ -1,4 +1,4 @@
-"""ls_adam's gradient all-reduce under fairseq's legacy_ddp (ls_fairseq/optim/flat_all_reduce.py)
+"""ls_adam's gradient all-reduce under fairseq's legacy_ddp (ls_fairseq/graphs/flat_all_reduce.py)
 against fairseq's own LegacyDistributedDataParallel.all_reduce_grads: two CPU processes (gloo),
 different random gradients per rank, odd parameter sizes. The flat path must give bitwise the
 same gradients (same dtype, same division, a two-rank sum is order-free), and must hand over to
@@ -10,7 +10,7 @@ from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrappe
 
 from fairseq_helpers import run_workers
 
-from ls_fairseq.optim import flat_all_reduce
+from ls_fairseq.graphs import flat_all_reduce
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
 
 WORLD = 2

@@ -1,10 +1,11 @@
-"""The bucketed gradient all-reduce (ls_fairseq/grad_buckets.py) on the CPU.
+"""The bucketed gradient all-reduce (ls_fairseq/graphs/grad_buckets.py) on the CPU.
 
 The bucket plan must tile every flat buffer exactly (padding included), keep each parameter in one
 bucket and order the buckets from the end of the buffers (the backward's order). Reducing the
 buckets with ``legacy_reduce`` (two gloo processes) must give bitwise fairseq's
 ``LegacyDistributedDataParallel.all_reduce_grads`` (same division, a two-rank sum is order-free),
-and ls_adam's ``all_reduce_grads`` must then leave the marked buffers alone (no second reduction).
+and ls_adam's ``all_reduce_grads`` must then leave the buffers alone (no second reduction) when
+the model's ``FlatGradients`` say ``all_reduced``.
 The CUDA side (events inside the captured backward, the side stream) is tested on the GPU in
 tests/gpu/test_cuda_graphs_cuda.py."""
 import pytest
@@ -14,7 +15,8 @@ from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrappe
 
 from fairseq_helpers import run_workers
 
-from ls_fairseq import grad_buckets
+from ls_fairseq.graphs import grad_buckets
+from ls_fairseq.graphs.flat_gradients import FlatGradients, register
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
 
 WORLD = 2
@@ -72,13 +74,16 @@ def _worker(rank, dtype):
     model = _model(dtype)
     params = list(model.parameters())
     spans, total = _layout([p.numel() for p in params])
-    flat = torch.zeros(total, dtype=dtype)
+    flat_grads = FlatGradients(params)  # the engine's accumulators (the same layout)
+    register(model, flat_grads)
+    (flat,) = flat_grads.flats
+    assert flat_grads.spans == spans and flat.numel() == total
     for p, gr, (_, off, n) in zip(params, grads, spans):
         p.grad = flat[off:off + n].view_as(p)
         p.grad.copy_(gr)
     plan = grad_buckets.GradBuckets([flat], spans, bucket_bytes=150 * flat.element_size())
     plan.issue([flat], [None] * len(plan.buckets), grad_buckets.legacy_reduce(WORLD, group))
-    grad_buckets.mark_all_reduced([flat])
+    flat_grads.all_reduced = True  # as the engine says once it has issued the buckets
     out = {"buckets": len(plan.buckets)}
     out["equal"] = all(torch.equal(p.grad, q.grad) for p, q in zip(params, ref.parameters()))
     # the optimizer's all_reduce_grads takes the mark off and reduces nothing more
@@ -87,7 +92,7 @@ def _worker(rank, dtype):
     opt.all_reduce_grads(wrapped)
     out["not_reduced_twice"] = all(torch.equal(p.grad, q.grad)
                                    for p, q in zip(params, ref.parameters()))
-    out["mark_taken_off"] = not grad_buckets.all_reduced(flat)
+    out["mark_taken_off"] = not flat_grads.all_reduced
     return out
 
 
@@ -102,7 +107,7 @@ def test_bucketed_reduce_is_fairseq_legacy_all_reduce(tmp_path, dtype):
 def test_partly_marked_buffers_are_an_error():
     """Two flat buffers of which one was reduced during the backward: never a silent skip or a
     second reduction of the other."""
-    from ls_fairseq.optim import flat_all_reduce
+    from ls_fairseq.graphs import flat_all_reduce
 
     class FakeLegacy(LegacyDistributedDataParallel):
         def __init__(self, module):
@@ -110,13 +115,15 @@ def test_partly_marked_buffers_are_an_error():
             self.module, self.world_size, self.accumulate_grads = module, 2, False
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2).double())
-    flats = [torch.zeros(32), torch.zeros(32, dtype=torch.float64)]
+    flat_grads = FlatGradients(model[0].parameters())  # the engine's, of the float32 gradients
+    flats = [flat_grads.flats[0], torch.zeros(32, dtype=torch.float64)]
     offsets = {torch.float32: 0, torch.float64: 0}
     for p in model.parameters():
         flat = flats[0] if p.dtype == torch.float32 else flats[1]
         off = offsets[p.dtype]
         p.grad = flat[off:off + p.numel()].view_as(p)
         offsets[p.dtype] = off + (p.numel() + 15) // 16 * 16
-    grad_buckets.mark_all_reduced(flats[:1])
+    register(model, flat_grads)
+    flat_grads.all_reduced = True  # the float32 buffer's; the float64 one is not the engine's
     with pytest.raises(RuntimeError, match="all-reduced during the backward and others not"):
         flat_all_reduce.all_reduce_flat(FakeLegacy(model))

@@ -2,20 +2,16 @@
 that grows the model's lazy state before a capture (``_grow_lazy_state``). What the arena and the
 release do to the device memory is measured on the GPU (tests/gpu/test_graph_memory_cuda.py,
 bench/graph_memory.py)."""
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fairseq_helpers import DummyTask, build_model, make_dictionary, random_batch  # noqa: E402
-from ls_fairseq.criterions import graph_memory  # noqa: E402
-from ls_fairseq.criterions.cuda_graphs import CudaGraphedLoss  # noqa: E402
-from ls_fairseq.criterions.graph_memory import expected_need, token_counts  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
+from ls_fairseq.graphs import CudaGraphedLoss  # noqa: E402
+from ls_fairseq.graphs import memory as graph_memory  # noqa: E402
+from ls_fairseq.graphs.memory import expected_need, token_counts  # noqa: E402
 
 # CudaGraphedLoss's shapes of a translation batch: prev_output_tokens, src_lengths, src_tokens,
 # target

@@ -1,12 +1,8 @@
-"""The GPU tests' Philox4x32-10 oracle (tests/gpu/kernel_oracle.py) against Random123's published
-known-answer vectors: CPU arithmetic, so it runs in CI."""
-import os
-import sys
-
+"""The GPU tests' Philox4x32-10 oracle (ls_fairseq/testing/kernel_oracle.py) against Random123's
+published known-answer vectors: CPU arithmetic, so it runs in CI."""
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-from kernel_oracle import M32, philox4x32_10  # noqa: E402
+from ls_fairseq.testing.kernel_oracle import M32, philox4x32_10
 
 
 def test_philox_oracle_known_answers():

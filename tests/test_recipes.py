@@ -1,11 +1,11 @@
 """recipes/wmt14_en_de and ls-fairseq-quickstart, end to end on CPU with tiny data.
 
 prepare.sh runs on a raw directory in the layout of the WMT14 archives (generated here, never
-downloaded); the train scripts get a tiny model through their pass-through fairseq arguments;
+downloaded); train.sh (baseline and ls) gets a tiny model through its pass-through fairseq
+arguments;
 evaluate.sh averages real checkpoints and scores with sacreBLEU and fairseq-score; the comparison
 tool reads what they wrote.
 """
-import difflib
 import json
 import os
 import shlex
@@ -19,8 +19,6 @@ from ls_fairseq.cli import quickstart
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "recipes", "wmt14_en_de")
-NAME_LINES = ("NAME=", "ARCH=", "CRITERION=", "OPTIMIZER=", "USER_DIR_ARGS=", "LS_USER_DIR=",
-              "|| { echo \"$0: cannot import ls_fairseq")
 
 # a tiny model through the scripts' pass-through arguments (wins over the recipe's defaults)
 TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
@@ -58,31 +56,27 @@ def need_tools():
 
 
 # --------------------------------------------------------------------------------------------
-# train scripts: same recipe, only the names differ
+# train.sh baseline|ls: same recipe, only the names differ
 # --------------------------------------------------------------------------------------------
 
-def test_train_scripts_differ_only_in_the_ls_names():
-    with open(os.path.join(RECIPES, "train_baseline.sh")) as f:
-        base = f.read().splitlines()
-    with open(os.path.join(RECIPES, "train_ls.sh")) as f:
-        ls = f.read().splitlines()
-    changed = [line for line in difflib.unified_diff(base, ls, lineterm="", n=0)
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    assert changed, "the scripts are identical?"
-    for line in changed:
-        body = line[1:].strip()
-        assert body.startswith("#") or body.startswith(NAME_LINES), "unexpected difference: " + line
+def test_train_script_takes_the_variant_first():
+    for args in ([], ["--data", "DATA", "--save-dir", "SAVE", "--dry-run"], ["ls_adam", "--dry-run"]):
+        proc = sh("train.sh", *args, check=False)
+        assert proc.returncode == 2 and "the first argument is the variant, baseline or ls" in proc.stderr
+    for args in (["--help"], ["ls", "--help"]):
+        proc = sh("train.sh", *args)
+        assert "train.sh baseline|ls --data DATA_BIN --save-dir DIR" in proc.stdout
 
 
-def dry_run(script, *args):
-    out = sh(script, "--data", "DATA", "--save-dir", "SAVE", "--dry-run", *args).stdout.strip()
+def dry_run(variant, *args):
+    out = sh("train.sh", variant, "--data", "DATA", "--save-dir", "SAVE", "--dry-run", *args).stdout.strip()
     return shlex.split(out)
 
 
 def test_dry_run_commands_are_the_recipe():
-    base = dry_run("train_baseline.sh", "--gpus", "2", "--max-tokens", "8192", "--update-freq", "3",
+    base = dry_run("baseline", "--gpus", "2", "--max-tokens", "8192", "--update-freq", "3",
                    "--encoder-layers", "2")
-    ls = dry_run("train_ls.sh", "--gpus", "2", "--max-tokens", "8192", "--update-freq", "3", "--encoder-layers", "2")
+    ls = dry_run("ls", "--gpus", "2", "--max-tokens", "8192", "--update-freq", "3", "--encoder-layers", "2")
     i = ls.index("--user-dir")
     user_dir = ls[i + 1]
     assert os.path.isfile(os.path.join(user_dir, "__init__.py")) and os.path.basename(user_dir) == "ls_fairseq"
@@ -96,7 +90,8 @@ def test_dry_run_commands_are_the_recipe():
         return cmd[cmd.index(name) + 1]
 
     assert base[:2] == ["fairseq-train", "DATA"]
-    proc = sh("train_baseline.sh", "--data", "DATA", "--save-dir", "SAVE", "--dry-run", environ=modules_only_env())
+    proc = sh("train.sh", "baseline", "--data", "DATA", "--save-dir", "SAVE", "--dry-run",
+              environ=modules_only_env())
     assert shlex.split(proc.stdout)[:4] == [sys.executable, "-m", "fairseq_cli.train", "DATA"]
     expected = {"--arch": "transformer_wmt_en_de_big_t2t", "--optimizer": "adam", "--adam-betas": "(0.9, 0.98)",
                 "--lr": "0.0005", "--lr-scheduler": "inverse_sqrt", "--warmup-updates": "4000",
@@ -109,16 +104,16 @@ def test_dry_run_commands_are_the_recipe():
     assert "--fp16" in base and "--share-all-embeddings" in base and "--cpu" not in base
     assert base[-2:] == ["--encoder-layers", "2"]  # pass-through arguments come last and win
 
-    cpu = dry_run("train_baseline.sh", "--gpus", "0")
+    cpu = dry_run("baseline", "--gpus", "0")
     assert "--cpu" in cpu and "--fp16" not in cpu and opt(cpu, "--update-freq") == "1"
-    one = dry_run("train_baseline.sh", "--gpus", "1")
+    one = dry_run("baseline", "--gpus", "1")
     assert opt(one, "--update-freq") == "8"  # the batch of the 8-GPU recipe
-    four = dry_run("train_ls.sh", "--gpus", "4")
+    four = dry_run("ls", "--gpus", "4")
     assert opt(four, "--update-freq") == "2" and opt(four, "--distributed-world-size") == "4"
 
 
 def test_train_script_needs_data_and_save_dir():
-    proc = sh("train_baseline.sh", "--save-dir", "x", "--dry-run", check=False)
+    proc = sh("train.sh", "baseline", "--save-dir", "x", "--dry-run", check=False)
     assert proc.returncode == 2 and "--data DATA_BIN is required" in proc.stderr
 
 
@@ -234,10 +229,10 @@ def test_recipes_end_to_end(prepared, tmp_path, capsys):
     runs = {}
     # the ls_ side runs with no console script on PATH: the recipes' fallback to the modules
     environs = {"baseline": env(), "ls": modules_only_env()}
-    for name, script in (("baseline", "train_baseline.sh"), ("ls", "train_ls.sh")):
+    for name in ("baseline", "ls"):
         save = tmp_path / "runs" / name
-        sh(script, "--data", data, "--save-dir", save, "--gpus", "0", "--max-tokens", "1500", "--max-update", "24",
-           *TINY, environ=environs[name])
+        sh("train.sh", name, "--data", data, "--save-dir", save, "--gpus", "0", "--max-tokens", "1500",
+           "--max-update", "24", *TINY, environ=environs[name])
         runs[name] = save
         assert (save / "train.log").is_file() and (save / "train.fairseq.log").is_file()
         assert len([f for f in os.listdir(save) if f.startswith("checkpoint") and f[10:-3].isdigit()]) >= 2
@@ -248,7 +243,7 @@ def test_recipes_end_to_end(prepared, tmp_path, capsys):
 
     # a restart: the same command with a higher --max-update resumes from checkpoint_last.pt and
     # appends to train.log
-    sh("train_baseline.sh", "--data", data, "--save-dir", runs["baseline"], "--gpus", "0", "--max-tokens", "1500",
+    sh("train.sh", "baseline", "--data", data, "--save-dir", runs["baseline"], "--gpus", "0", "--max-tokens", "1500",
        "--max-update", "32", *TINY)
 
     for name, save in runs.items():

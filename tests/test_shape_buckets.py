@@ -14,11 +14,11 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
 from fairseq_helpers import build_model, grad_err, make_dictionary, max_rel_err, random_batch
-from ls_fairseq.criterions import shape_buckets
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
     LSLabelSmoothedCrossEntropyCriterion,
 )
-from ls_fairseq.criterions.shape_buckets import ShapeBuckets, bucket, token_slots
+from ls_fairseq.graphs import shape_buckets
+from ls_fairseq.graphs.shape_buckets import ShapeBuckets, bucket, token_slots
 
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "16",
         "--encoder-ffn-embed-dim", "24", "--encoder-attention-heads", "2",

@@ -307,7 +307,7 @@ def train_command(name, data_bin, save_dir, args, device):
     if spec["plugin"]:
         cmd += ["--user-dir", user_dir()]
     cmd += [
-        # recipes/wmt14_en_de/train_*.sh, scaled down (warm-up, learning rate, batch)
+        # recipes/wmt14_en_de/train.sh, scaled down (warm-up, learning rate, batch)
         "--arch", spec["arch"], "--share-all-embeddings",
         "--optimizer", spec["optimizer"], "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-08", "--clip-norm", "0.0",
         "--lr", str(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup),

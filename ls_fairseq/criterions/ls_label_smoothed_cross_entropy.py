@@ -13,18 +13,18 @@ It needs a decoder whose output layer is ``decoder.output_projection`` (no adapt
 
 CUDA graphs (on by default where they apply; ``--ls-no-cuda-graphs`` off, ``--ls-cuda-graphs``
 required: ``ls_fairseq.switches``) replay the training forward and backward of each batch shape
-(``cuda_graphs.CudaGraphedLoss``): the same kernels, issued without Python's per-kernel cost.
+(``ls_fairseq.graphs.CudaGraphedLoss``): the same kernels, issued without Python's per-kernel cost.
 They step aside, with one log line, under torch DDP (``--ddp-backend c10d``; legacy_ddp works)
 and for a model other than ``ls_transformer``.
 ``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
 when batches are padded to bucketed shapes, which recur) or at its second (``auto`` otherwise:
 one-off shapes then never pay for a capture). ``--ls-cuda-graphs-memory compact`` (the default)
 keeps the graphs' memory pool one arena and gives the eager steps' idle cache back to the driver
-(``graph_memory``).
+(``graphs.memory``).
 
 ``--ls-shape-buckets N`` (with the graphs; 16 unless set, 0: off) pads each training
-batch up to one of a few hundred shapes (``shape_buckets``), so the graphs of a WMT14-sized corpus
-are replayed from the first epoch on instead of thrashing over its thousands of batch shapes.
+batch up to one of a few hundred shapes (``graphs.shape_buckets``), so the graphs of a WMT14-sized
+corpus are replayed from the first epoch on instead of thrashing over its thousands of batch shapes.
 Losses, gradients and logged values are those of the unpadded batch.
 
 ``--ls-async-stats`` (opt-in, several GPUs) takes fairseq's per-update exchanges between workers
@@ -50,10 +50,10 @@ from fairseq.logging import metrics
 from .. import ops, switches
 from ..workers import several_workers
 from ..flops import TransformerFlops, device_peak_tflops
+from ..graphs import (
+    CAPTURE_CHOICES, MEMORY_CHOICES, CudaGraphedLoss, captures_first_sighting, shape_buckets,
+)
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
-from . import shape_buckets
-from .cuda_graphs import CAPTURE_CHOICES, CudaGraphedLoss, captures_first_sighting
-from .graph_memory import MEMORY_CHOICES
 from .host_scalars import for_logging, to_host
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,10 @@
 """Fused ops: one module per op, each with a pure-PyTorch reference and a CUDA path.
 
 Every public function here dispatches to the CUDA extension (``csrc/``) when its inputs are
-CUDA tensors and the kernels are available (see ``_extension``), and to its ``*_reference``
-twin otherwise. The reference is the specification the CUDA path is tested against.
+CUDA tensors, the kernels are available (see ``_extension``) and the op's binding supports the
+inputs, and to its ``*_reference`` twin otherwise. The reference is the specification the CUDA
+path is tested against. The convention (public module, binding, reference, tests) is
+``ls_fairseq/ops/README.md``.
 """
 from .adam import adam_step, adam_step_reference
 from .attention import attention, attention_packed, attention_reference
@@ -49,3 +51,31 @@ __all__ = [
     "transformer_embedding",
     "transformer_embedding_reference",
 ]
+
+#: the binding modules (``_<op>_cuda``), imported by :func:`load_kernels`
+BINDINGS = (
+    "_adam_cuda",
+    "_attention_cuda",
+    "_bias_act_dropout_cuda",
+    "_bias_dropout_residual_cuda",
+    "_bias_dropout_residual_layer_norm_cuda",
+    "_cross_entropy_cuda",
+    "_embedding_cuda",
+    "_layer_norm_cuda",
+)
+
+
+def load_kernels() -> bool:
+    """Build/load the CUDA extension and import every binding, so that each op's Python
+    autograd and fake (meta) registrations are in place; True when the kernels are usable. For
+    callers that call ``torch.ops.ls_fairseq.*`` directly (bench): the public ops need no such
+    call (they load the extension and their binding on first use)."""
+    import importlib
+
+    from . import _extension
+
+    if not _extension.load():
+        return False
+    for name in BINDINGS:
+        importlib.import_module(f"{__name__}.{name}")
+    return True

@@ -1,7 +1,7 @@
 """CUDA binding of the fused multi-tensor Adam step (``csrc/adam.cu``).
 
-``adam_step_cuda`` has the signature of :func:`ls_fairseq.ops.adam.adam_step_reference` plus a
-few keyword extensions, all optional:
+``adam_step_cuda`` has the signature of ``adam_step_reference`` (``ops/_reference.py``, public as
+:func:`ls_fairseq.ops.adam.adam_step_reference`) plus a few keyword extensions, all optional:
 
 * ``grad_scale`` may be a Python number or a one-element CUDA tensor (fairseq's fp16 wrappers
   keep their multiply factor on the device after ``--clip-norm``; no host sync is needed).
@@ -19,11 +19,21 @@ few keyword extensions, all optional:
 All tensors of one dtype combination are updated by one kernel launch, whatever their number and
 sizes. Returns ``found_inf``, an int32 CUDA tensor that is 1 when some scaled gradient was inf/NaN;
 such elements are left untouched (no NaN is written into the optimizer state or the weights).
+
+Unlike the other bindings this one has no ``supports`` predicate: one call takes any list of CUDA
+tensors and updates those the kernel cannot take (non-contiguous, other dtypes) with the
+reference math (``_reference.adam_step_skip_nonfinite_reference``) in the same call, so that the
+caller never splits its one-launch list. The ops mutate their arguments and return nothing;
+their fake (meta) implementations are registered here once the extension is loaded
+(``_extension.when_loaded``), for ``torch.library.opcheck`` and tracing.
 """
 import math
 from typing import List, Optional, Sequence
 
 import torch
+
+from . import _extension
+from ._reference import adam_step_skip_nonfinite_reference
 
 FP16_MAX = 65504.0
 _SUPPORTED = {
@@ -31,6 +41,22 @@ _SUPPORTED = {
     (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
 }
+
+
+def _register():
+    @torch.library.register_fake("ls_fairseq::multi_tensor_adam")
+    def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, model_copies, grad_scale_t, m_scales,
+                   v_scales, found_inf, lr, beta1, beta2, eps, weight_decay, step_size,
+                   grad_scale):
+        return None
+
+    @torch.library.register_fake("ls_fairseq::multi_tensor_adam_moment_max")
+    def _moment_max_fake(params, grads, exp_avgs, exp_avg_sqs, grad_scale_t, m_scales, v_scales,
+                         found_inf, moment_max, beta1, beta2, grad_scale):
+        return None
+
+
+_extension.when_loaded(_register)
 
 
 def _scale_tensor(grad_scale, device):
@@ -147,8 +173,6 @@ def adam_step_cuda(
 
 def _fallback(params, grads, exp_avgs, exp_avg_sqs, idx, model_copies, moment_scales, **kw):
     """Reference math for tensors the kernel does not take (non-contiguous, odd dtypes)."""
-    from .adam import adam_step_skip_nonfinite_reference
-
     pick = (lambda ts: None if ts is None else [ts[i] for i in idx])
     scales = None if moment_scales is None else moment_scales[idx]
     adam_step_skip_nonfinite_reference(pick(params), pick(grads), pick(exp_avgs),

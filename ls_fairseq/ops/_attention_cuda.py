@@ -35,6 +35,12 @@ the same order at that backend: ``efficient`` never picks ``short``, ``softmax``
 
 For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also writes the gradient
 straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
+
+The autograd is Python (one ``torch.autograd.Function`` per backend: the ops' extra outputs, the
+aten kernels and the packed layouts are not one op's interface); the fake-tensor shapes of the
+``ls_fairseq`` ops are registered once the extension is loaded (``_extension.when_loaded``). What
+the kernels take is :func:`supports` (the softmax backend runs every such problem); the public
+module runs the reference otherwise.
 """
 import torch
 
@@ -51,6 +57,15 @@ _NO_MASK = 0
 _CAUSAL_BOTTOM_RIGHT = 2
 
 _fakes_registered = False
+#: storage dtypes of the kernels (statistics in float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supports(q, k, v) -> bool:
+    """Whether the CUDA path takes q, k, v: one dtype of float16/bfloat16/float32 (shapes are
+    checked by :func:`attention_cuda`, which raises on misuse; every well-formed problem has a
+    backend: softmax runs what short and efficient do not)."""
+    return q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
 
 
 def backend_setting() -> str:
@@ -58,7 +73,8 @@ def backend_setting() -> str:
 
 
 def _register_fakes():
-    """Fake (meta) kernels for the C++ ops, so torch.compile / opcheck can trace them."""
+    """Fake (meta) kernels for the C++ ops, so torch.compile / opcheck can trace them (run once,
+    by ``_extension.when_loaded``; calling it again does nothing)."""
     global _fakes_registered
     if _fakes_registered:
         return
@@ -93,6 +109,9 @@ def _register_fakes():
         def _(grad_out, q, k, v, out, lse, key_padding_mask, causal, rng_state, dropout_p,
               grad_q, grad_k, grad_v):
             return None
+
+
+_extension.when_loaded(_register_fakes)
 
 
 _device_info = {}
@@ -380,7 +399,6 @@ def attention_cuda_packed(
     p = float(dropout_p) if training else 0.0
     choice = _pick(backend, q, k, v, causal) if qkv.stride(-1) == 1 else "softmax"
     if choice == "short":
-        _register_fakes()
         return _ShortPackedSelfAttention.apply(qkv, _short_mask(key_padding_mask), causal, p)
     if choice != "efficient":
         return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training, backend)
@@ -409,7 +427,6 @@ def attention_cuda(
     causal = bool(causal)
     choice = _pick(backend, q, k, v, causal)
     if choice == "short":
-        _register_fakes()
         return _ShortAttention.apply(q, k, v, _short_mask(key_padding_mask), causal, p)
     if choice == "efficient":
         tq, tk = q.size(-2), k.size(-2)
@@ -419,5 +436,4 @@ def attention_cuda(
         # a single query (incremental decoding) sees every cached key: no causal mask needed
         mask_type = _CAUSAL_BOTTOM_RIGHT if (causal and tq > 1) else _NO_MASK
         return _EfficientAttention.apply(q, k, v, bias, mask_type, p, q.size(-1) ** -0.5)
-    _register_fakes()
     return _SoftmaxAttention.apply(q, k, v, key_padding_mask, causal, p, bool(training))

@@ -10,45 +10,57 @@ What the backward keeps: for relu, ``out`` only (an element passes the gradient 
 gradient anyway, so the fc1 output ``x`` is freed after the forward: one [tokens, ffn_dim] tensor
 less per layer at the memory peak. For gelu, ``x`` and the int64[2] Philox state ``rng``; the mask
 is regenerated, ``x + bias`` and the activation derivative recomputed. The forward op's autograd is
-C++ (``csrc/dropout_fusions_autograd.cpp``); fake-tensor shapes are registered here.
+C++ (``csrc/dropout_fusions_autograd.cpp``); fake-tensor shapes are registered here once the
+extension is loaded (``_extension.when_loaded``). What the kernels take is :func:`supports`; the
+public module runs the reference otherwise.
 """
 import torch
 
-from .bias_act_dropout import KERNEL_ACTIVATIONS, bias_act_dropout_reference
+from . import _extension
 
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@torch.library.register_fake("ls_fairseq::bias_act_dropout_fwd")
-def _fwd_fake(x, bias, activation, p, train):
-    return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-        x.new_empty((2,), dtype=torch.int64),
-    )
+#: storage dtypes of the kernels (math in float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: the activations csrc/dropout_fusions.cu implements (act_code)
+ACTIVATIONS = ("relu", "gelu")
 
 
-@torch.library.register_fake("ls_fairseq::bias_act_dropout_bwd")
-def _bwd_fake(grad, x, bias, rng, activation, p, train, bias_grad):
-    return (
-        torch.empty_like(grad, memory_format=torch.contiguous_format),
-        grad.new_empty((grad.size(-1) if bias_grad else 0,)),
-    )
-
-
-@torch.library.register_fake("ls_fairseq::relu_dropout_bwd")
-def _relu_bwd_fake(grad, out, p, train, bias_grad):
-    return _bwd_fake(grad, out, None, None, "relu", p, train, bias_grad)
-
-
-def bias_act_dropout_cuda(x, bias, activation: str, dropout_p: float, training: bool):
-    if (
-        activation not in KERNEL_ACTIVATIONS
-        or x.dtype not in _SUPPORTED
+def supports(x, bias, activation: str) -> bool:
+    """Whether the kernels take these arguments: activation relu or gelu, x [..., C]
+    float16/bfloat16/float32 with C > 0, bias None or C values of x's dtype (any strides)."""
+    return not (
+        activation not in ACTIVATIONS
+        or x.dtype not in SUPPORTED_DTYPES
         or x.dim() == 0
         or x.size(-1) == 0
         or (bias is not None and (bias.dtype != x.dtype or bias.numel() != x.size(-1)))
-    ):
-        return bias_act_dropout_reference(x, bias, activation, dropout_p, training)
+    )
+
+
+def _register():
+    @torch.library.register_fake("ls_fairseq::bias_act_dropout_fwd")
+    def _fwd_fake(x, bias, activation, p, train):
+        return (
+            torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((2,), dtype=torch.int64),
+        )
+
+    @torch.library.register_fake("ls_fairseq::bias_act_dropout_bwd")
+    def _bwd_fake(grad, x, bias, rng, activation, p, train, bias_grad):
+        return (
+            torch.empty_like(grad, memory_format=torch.contiguous_format),
+            grad.new_empty((grad.size(-1) if bias_grad else 0,)),
+        )
+
+    @torch.library.register_fake("ls_fairseq::relu_dropout_bwd")
+    def _relu_bwd_fake(grad, out, p, train, bias_grad):
+        return _bwd_fake(grad, out, None, None, "relu", p, train, bias_grad)
+
+
+_extension.when_loaded(_register)
+
+
+def bias_act_dropout_cuda(x, bias, activation: str, dropout_p: float, training: bool):
+    """``dropout(act(x + bias))`` in one kernel; for arguments :func:`supports` takes."""
     out, _rng = torch.ops.ls_fairseq.bias_act_dropout_fwd(
         x, bias, activation, float(dropout_p), bool(training)
     )

@@ -11,36 +11,45 @@ backward. It is safe when nothing else needs the logits after the loss (fairseq'
 projection saves its input and weight, not its output). The version counter of the logits is
 bumped, so an autograd node that did save them fails loudly ("modified by an inplace
 operation") instead of reading gradients.
+
+The autograd is Python (:class:`LabelSmoothedCrossEntropyRows`: the in-place choice and the leaf
+check are not op arguments); fake-tensor shapes are registered here once the extension is loaded
+(``_extension.when_loaded``). What the kernels take is :func:`supports`; the public module runs the
+reference otherwise.
 """
 import torch
 
 from . import _extension
 
 _NO_IGNORE = -(2**63)  # ignore_index=None: no target can equal it
+#: storage dtypes of the logits (math in float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _register_fakes():
-    try:
-        @torch.library.register_fake("ls_fairseq::ls_cross_entropy_fwd")
-        def _fwd_fake(logits, target, epsilon, ignore_index, compute_argmax):
-            n = logits.shape[0]
-            f = logits.new_empty((n,), dtype=torch.float32)
-            return f, f.new_empty((n,)), f.new_empty((n,)), \
-                logits.new_empty((n if compute_argmax else 0,), dtype=torch.long)
-
-        @torch.library.register_fake("ls_fairseq::ls_cross_entropy_bwd")
-        def _bwd_fake(grad_loss, grad_nll, logits, target, lse, epsilon, ignore_index):
-            return torch.empty_like(logits)
-
-        @torch.library.register_fake("ls_fairseq::ls_cross_entropy_bwd_")
-        def _bwd_inplace_fake(grad_loss, grad_nll, logits, target, lse, epsilon, ignore_index):
-            return None
-    except (RuntimeError, AttributeError):  # already registered, or an old torch
-        pass
+def supports(logits) -> bool:
+    """Whether the kernels take ``logits`` [..., V]: float16/bfloat16/float32 (any strides: made
+    contiguous; the targets are cast to int64)."""
+    return logits.dtype in SUPPORTED_DTYPES
 
 
-if _extension.has_op("ls_cross_entropy_fwd"):
-    _register_fakes()
+def _register():
+    @torch.library.register_fake("ls_fairseq::ls_cross_entropy_fwd")
+    def _fwd_fake(logits, target, epsilon, ignore_index, compute_argmax):
+        n = logits.shape[0]
+        f = logits.new_empty((n,), dtype=torch.float32)
+        return f, f.new_empty((n,)), f.new_empty((n,)), \
+            logits.new_empty((n if compute_argmax else 0,), dtype=torch.long)
+
+    @torch.library.register_fake("ls_fairseq::ls_cross_entropy_bwd")
+    def _bwd_fake(grad_loss, grad_nll, logits, target, lse, epsilon, ignore_index):
+        return torch.empty_like(logits)
+
+    @torch.library.register_fake("ls_fairseq::ls_cross_entropy_bwd_")
+    def _bwd_inplace_fake(grad_loss, grad_nll, logits, target, lse, epsilon, ignore_index):
+        return None
+
+
+_extension.when_loaded(_register)
 
 
 def _grad_arg(g):

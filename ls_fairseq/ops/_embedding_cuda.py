@@ -9,34 +9,38 @@ The backward accumulates rows of repeated tokens/positions with float atomics by
 deterministic (stable sort of the indices, one fixed-order float32 sum per distinct index) when
 ``torch.use_deterministic_algorithms(True)`` is on or ``LS_FAIRSEQ_DETERMINISTIC=1`` is set; the
 choice is read at backward time.
+
+The autograd (``torch.library.register_autograd``) and fake-tensor shapes are registered here once
+the extension is loaded (``_extension.when_loaded``). What the kernels take is :func:`supports`;
+the public module runs the reference otherwise.
 """
 import os
 
 import torch
 
-from .embedding import transformer_embedding_reference
+from . import _extension
 
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+#: storage dtypes of the kernels' tables (math in float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DETERMINISTIC_ENV = "LS_FAIRSEQ_DETERMINISTIC"
+
+
+def supports(tokens, positions, token_weight, pos_weight) -> bool:
+    """Whether the kernels take these arguments: a float16/bfloat16/float32 table [V, C] with
+    C > 0, int64/int32 tokens, and positions whenever there is a 2-D positional table (cast to
+    the token table's dtype)."""
+    return not (
+        token_weight.dtype not in SUPPORTED_DTYPES
+        or token_weight.dim() != 2
+        or token_weight.size(1) == 0
+        or tokens.dtype not in (torch.int64, torch.int32)
+        or (pos_weight is not None and (positions is None or pos_weight.dim() != 2))
+    )
 
 
 def deterministic_backward() -> bool:
     flag = os.environ.get(DETERMINISTIC_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
     return flag or torch.are_deterministic_algorithms_enabled()
-
-
-@torch.library.register_fake("ls_fairseq::embedding_fwd")
-def _fwd_fake(tokens, positions, token_weight, pos_weight, scale, padding_idx, p, train, zero_pad):
-    out = token_weight.new_empty((*tokens.shape, token_weight.size(1)))
-    return out, token_weight.new_empty((2,), dtype=torch.int64)
-
-
-@torch.library.register_fake("ls_fairseq::embedding_bwd")
-def _bwd_fake(grad, tokens, positions, token_weight, pos_weight, rng, scale, padding_idx, p, train,
-              zero_pad, token_grad, pos_grad, deterministic):
-    ge = token_weight.new_empty(token_weight.shape if token_grad else (0,))
-    gp = token_weight.new_empty(pos_weight.shape if pos_grad else (0,))
-    return ge, gp
 
 
 def _setup_context(ctx, inputs, output):
@@ -68,22 +72,31 @@ def _backward(ctx, grad_out, _grad_rng):
     )
 
 
-torch.library.register_autograd("ls_fairseq::embedding_fwd", _backward, setup_context=_setup_context)
+def _register():
+    @torch.library.register_fake("ls_fairseq::embedding_fwd")
+    def _fwd_fake(tokens, positions, token_weight, pos_weight, scale, padding_idx, p, train,
+                  zero_pad):
+        out = token_weight.new_empty((*tokens.shape, token_weight.size(1)))
+        return out, token_weight.new_empty((2,), dtype=torch.int64)
+
+    @torch.library.register_fake("ls_fairseq::embedding_bwd")
+    def _bwd_fake(grad, tokens, positions, token_weight, pos_weight, rng, scale, padding_idx, p,
+                  train, zero_pad, token_grad, pos_grad, deterministic):
+        ge = token_weight.new_empty(token_weight.shape if token_grad else (0,))
+        gp = token_weight.new_empty(pos_weight.shape if pos_grad else (0,))
+        return ge, gp
+
+    torch.library.register_autograd("ls_fairseq::embedding_fwd", _backward,
+                                    setup_context=_setup_context)
+
+
+_extension.when_loaded(_register)
 
 
 def transformer_embedding_cuda(tokens, positions, token_weight, pos_weight, scale: float,
                                padding_idx: int, dropout_p: float, training: bool, zero_pad: bool):
-    if (
-        token_weight.dtype not in _SUPPORTED
-        or token_weight.dim() != 2
-        or token_weight.size(1) == 0
-        or tokens.dtype not in (torch.int64, torch.int32)
-        or (pos_weight is not None and (positions is None or pos_weight.dim() != 2))
-    ):
-        return transformer_embedding_reference(
-            tokens, positions, token_weight, pos_weight, scale, padding_idx, dropout_p, training,
-            zero_pad,
-        )
+    """The embedding in one kernel (one for the backward); for arguments :func:`supports`
+    takes."""
     tokens = tokens.long()
     if pos_weight is None:
         positions = None

@@ -2,8 +2,8 @@
 
 The extension is built once per machine (cached by torch in ``TORCH_EXTENSIONS_DIR``) the first
 time a fused op sees a CUDA tensor. Its C++ side registers the ops under ``torch.ops.ls_fairseq``
-with ``TORCH_LIBRARY``; each ``ls_fairseq/ops/<op>.py`` holds the Python binding, the autograd
-wiring and the pure-PyTorch reference of one op.
+with ``TORCH_LIBRARY``; each public ``ls_fairseq/ops/<op>.py`` holds the pure-PyTorch reference
+and the dispatch of one op, its ``_<op>_cuda.py`` the binding (``ls_fairseq/ops/README.md``).
 
 Policy, from the environment variable ``LS_FAIRSEQ_KERNELS``:
 
@@ -55,6 +55,7 @@ _loaded = None  # None: not tried yet; True/False: result of the one build attem
 _failure_reason = ""
 _warned = False
 _announced_cpu = False  # the once-per-process "PyTorch path on CPU" line (announce_device)
+_pending = []  # when_loaded callbacks waiting for a successful load
 
 
 def env_value(name: str) -> str:
@@ -173,7 +174,32 @@ def load() -> bool:
             except Exception as exc:  # noqa: BLE001 - any failure means "use the fallback"
                 _loaded = False
                 _failure_reason = f"{type(exc).__name__}: {exc}"
+    if _loaded:
+        _run_pending()
     return _loaded
+
+
+def when_loaded(fn):
+    """Call ``fn()`` once the extension is loaded: now if it is, else right after the first
+    successful :func:`load`. Each binding (``ops/_<op>_cuda.py``) registers its ops' fake (meta)
+    implementations and Python autograd this way, so it can be imported without the extension
+    (a CPU machine, a test of its ``supports`` predicate) and still registers them, once, when
+    the kernels arrive. An error in ``fn`` is raised (by the import, or by the load that ran
+    it). Returns ``fn``."""
+    with _lock:
+        _pending.append(fn)
+    if _loaded:
+        _run_pending()
+    return fn
+
+
+def _run_pending():
+    while True:
+        with _lock:
+            if not _pending:
+                return
+            fn = _pending.pop(0)
+        fn()
 
 
 def failure_reason() -> str:

@@ -1,70 +1,57 @@
 """CUDA binding of :func:`ls_fairseq.ops.layer_norm.layer_norm` (``csrc/layer_norm.cu``).
 
 Ops: ``torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, invertible) -> (y, mean, rstd)``
-and ``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad)
--> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for). ``layer_norm_fwd``'s autograd is
-C++ (``csrc/layer_norm_autograd.cpp``: a Python registration cost ~50 us of host time per call);
-fake-tensor shapes are registered here with ``torch.library.register_fake``.
+and ``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
+residual_grad=None) -> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for).
+``layer_norm_fwd``'s autograd is C++ (``csrc/layer_norm_autograd.cpp``: a Python registration cost
+~50 us of host time per call); fake-tensor shapes are registered here with
+``torch.library.register_fake`` once the extension is loaded (``_extension.when_loaded``).
 
 ``layer_norm_residual_cuda(x, ...) -> (y, residual)`` is the pre-LN block's entry: ``residual`` is
 ``x`` (a view of it), and the gradient arriving there is added to LayerNorm's input gradient inside
 ``layer_norm_bwd``'s pass (its ``residual_grad``) instead of by a separate autograd add.
 
-``bias_dropout_residual_layer_norm_fwd(y, bias, residual, weight, ln_bias, p, train, eps) -> (x,
-h, mean, rstd, rng)`` fuses a pre-LN sublayer boundary: ``x = residual + dropout(y + bias)`` and
-``h = LayerNorm(x)`` in one kernel; its C++ autograd runs, with dropout,
-``bias_dropout_residual_layer_norm_bwd(grad_h, x, weight, ln_bias, mean, rstd, grad_x, rng, p,
-train, weight_grad, ln_bias_grad, bias_grad) -> (dx, gy, dw, dlb, dbias)`` (one pass: LayerNorm's
-backward plus y's gradient through the mask), else ``layer_norm_bwd`` then
-``bias_dropout_residual_bwd``.
-
 ``invertible=True`` saves the output ``y`` (and ``rstd``) for backward instead of the input ``x``,
 so a caller that keeps ``y`` anyway (the next sublayer's input) lets ``x`` be freed; backward then
 rebuilds ``xhat = (y - bias) / weight``. It needs a weight without zero entries, and in fp16/bf16
 its gradient carries the rounding of ``y`` (relative ~1e-3 / ~8e-3). The default saves ``x``.
+
+What the kernels take is :func:`supports`; the public module runs the reference otherwise.
 """
 import torch
 
-from .layer_norm import layer_norm_reference
+from . import _extension
 
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@torch.library.register_fake("ls_fairseq::layer_norm_fwd")
-def _fwd_fake(x, weight, bias, eps, invertible=False):
-    rows = x.numel() // x.size(-1)
-    stats = x.new_empty((rows,), dtype=torch.float32)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.new_empty((rows,))
+#: storage dtypes of the kernels (math in float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@torch.library.register_fake("ls_fairseq::layer_norm_bwd")
-def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
-              residual_grad=None):
-    c = grad.size(-1)
-    return (
-        torch.empty_like(grad, memory_format=torch.contiguous_format),
-        grad.new_empty((c if weight_grad else 0,)),
-        grad.new_empty((c if bias_grad else 0,)),
-    )
+def supports(x) -> bool:
+    """Whether the kernels take ``x`` [..., C]: float16/bfloat16/float32 with C > 0 (any strides,
+    any number of rows; the affine parameters are cast to x's dtype)."""
+    return x.dtype in SUPPORTED_DTYPES and x.dim() > 0 and x.size(-1) > 0
 
 
-@torch.library.register_fake("ls_fairseq::bias_dropout_residual_layer_norm_fwd")
-def _bdr_ln_fake(y, bias, residual, weight, ln_bias, p, train, eps):
-    rows = y.numel() // y.size(-1)
-    stats = y.new_empty((rows,), dtype=torch.float32)
-    return (torch.empty_like(y, memory_format=torch.contiguous_format),
-            torch.empty_like(y, memory_format=torch.contiguous_format), stats,
-            stats.new_empty((rows,)), y.new_empty((2,), dtype=torch.int64))
+def _register():
+    @torch.library.register_fake("ls_fairseq::layer_norm_fwd")
+    def _fwd_fake(x, weight, bias, eps, invertible=False):
+        rows = x.numel() // x.size(-1)
+        stats = x.new_empty((rows,), dtype=torch.float32)
+        return (torch.empty_like(x, memory_format=torch.contiguous_format), stats,
+                stats.new_empty((rows,)))
 
-
-@torch.library.register_fake("ls_fairseq::bias_dropout_residual_layer_norm_bwd")
-def _bdr_ln_bwd_fake(grad, x, weight, ln_bias, mean, rstd, grad_x, rng, p, train, weight_grad,
-                     ln_bias_grad, bias_grad):
-    c = grad.size(-1)
-    return (torch.empty_like(grad, memory_format=torch.contiguous_format),
+    @torch.library.register_fake("ls_fairseq::layer_norm_bwd")
+    def _bwd_fake(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
+                  residual_grad=None):
+        c = grad.size(-1)
+        return (
             torch.empty_like(grad, memory_format=torch.contiguous_format),
-            grad.new_empty((c if weight_grad else 0,)), grad.new_empty((c if ln_bias_grad else 0,)),
-            grad.new_empty((c if bias_grad else 0,)))
+            grad.new_empty((c if weight_grad else 0,)),
+            grad.new_empty((c if bias_grad else 0,)),
+        )
+
+
+_extension.when_loaded(_register)
 
 
 def _input_grads(ctx, grad_y, residual_grad=None):
@@ -112,42 +99,15 @@ class _LayerNormKeepInput(torch.autograd.Function):
 
 
 def layer_norm_residual_cuda(x, weight, bias, eps: float = 1e-5):
-    """``(layer_norm(x), x)``; the residual's gradient is added inside LayerNorm's backward."""
-    if x.dtype not in _SUPPORTED or x.dim() == 0 or x.size(-1) == 0:
-        return layer_norm_reference(x, weight, bias, eps), x
+    """``(layer_norm(x), x)``; the residual's gradient is added inside LayerNorm's backward.
+    For inputs :func:`supports` takes."""
     weight, bias = _affine_like(x, weight, bias)
     return _LayerNormKeepInput.apply(x, weight, bias, float(eps))
 
 
 def layer_norm_cuda(x, weight, bias, eps: float = 1e-5, invertible: bool = False):
-    """Fused LayerNorm over the last dim; same result as ``layer_norm_reference``."""
-    if x.dtype not in _SUPPORTED or x.dim() == 0 or x.size(-1) == 0:
-        return layer_norm_reference(x, weight, bias, eps)
+    """Fused LayerNorm over the last dim; same result as ``layer_norm_reference``. For inputs
+    :func:`supports` takes."""
     weight, bias = _affine_like(x, weight, bias)
     y, _mean, _rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, float(eps), bool(invertible))
     return y
-
-
-def fused_boundary_fits(y, bias, residual, weight, ln_bias) -> bool:
-    """Whether ``bias_dropout_residual_layer_norm_fwd`` takes these tensors: one warp per row in
-    16-byte vectors (C a multiple of 8 and at most 2048 for fp16/bf16; 4 and 1024 for fp32),
-    contiguous and 16-byte aligned, affine parameters of y's dtype and size."""
-    if y.dtype not in _SUPPORTED or y.dim() == 0 or residual.shape != y.shape:
-        return False
-    c, vec = y.size(-1), 16 // y.element_size()
-    tensors = [t for t in (y, bias, residual, weight, ln_bias) if t is not None]
-    return (
-        c > 0 and c % vec == 0 and c // vec <= 256
-        and all(t.dtype == y.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
-                for t in tensors)
-        and all(t.numel() == c for t in (bias, weight, ln_bias) if t is not None)
-    )
-
-
-def bias_dropout_residual_layer_norm_cuda(y, bias, residual, weight, ln_bias, dropout_p: float,
-                                          training: bool, eps: float = 1e-5):
-    """(x, LayerNorm(x)) with x = residual + dropout(y + bias), one kernel (see the op's doc)."""
-    x, h, _mean, _rstd, _rng = torch.ops.ls_fairseq.bias_dropout_residual_layer_norm_fwd(
-        y, bias, residual, weight, ln_bias, float(dropout_p), bool(training), float(eps)
-    )
-    return x, h

@@ -54,9 +54,10 @@ def attention(
         and _extension.use_kernels(q)
         and _extension.has_op("attention_fwd")
     ):
-        from ._attention_cuda import attention_cuda
+        from . import _attention_cuda as cuda
 
-        return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training), None
+        if cuda.supports(q, k, v):
+            return cuda.attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training), None
     return attention_reference(q, k, v, key_padding_mask, causal, dropout_p, training, need_weights)
 
 
@@ -70,8 +71,28 @@ def attention_packed(
     place and writes the gradient straight into d(qkv)'s layout (no stack of dq/dk/dv).
     """
     if _extension.use_kernels(qkv) and _extension.has_op("attention_fwd"):
-        from ._attention_cuda import attention_cuda_packed
+        from . import _attention_cuda as cuda
 
-        return attention_cuda_packed(qkv, key_padding_mask, causal, dropout_p, training)
+        if cuda.supports(qkv, qkv, qkv):
+            return cuda.attention_cuda_packed(qkv, key_padding_mask, causal, dropout_p, training)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     return attention_reference(q, k, v, key_padding_mask, causal, dropout_p, training)[0]
+
+
+def attention_cuda(q, k, v, key_padding_mask=None, causal: bool = False, dropout_p: float = 0.0,
+                   training: bool = False, backend=None):
+    """The kernel path itself, with its ``backend`` choice (``_attention_cuda.attention_cuda``):
+    out [B, H, Tq, D], for callers that must run a given kernel (bench); the extension must be
+    loaded."""
+    from ._attention_cuda import attention_cuda as kernel
+
+    return kernel(q, k, v, key_padding_mask, causal, dropout_p, training, backend)
+
+
+def attention_cuda_packed(qkv, key_padding_mask=None, causal: bool = False,
+                          dropout_p: float = 0.0, training: bool = False, backend=None):
+    """The packed kernel path itself (``_attention_cuda.attention_cuda_packed``), for callers
+    that must run a given kernel (bench); the extension must be loaded."""
+    from ._attention_cuda import attention_cuda_packed as kernel
+
+    return kernel(qkv, key_padding_mask, causal, dropout_p, training, backend)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from . import _extension
 
-#: activations the CUDA kernel implements; the others run the reference path.
+#: activations the CUDA kernel implements (``_bias_act_dropout_cuda.ACTIVATIONS``, read here
+#: before the extension loads); the others run the reference path.
 KERNEL_ACTIVATIONS = ("relu", "gelu")
 
 
@@ -52,7 +53,8 @@ def bias_act_dropout(x, bias, activation: str, dropout_p: float, training: bool)
         and _extension.use_kernels(x)
         and _extension.has_op("bias_act_dropout_fwd")
     ):
-        from ._bias_act_dropout_cuda import bias_act_dropout_cuda
+        from . import _bias_act_dropout_cuda as cuda
 
-        return bias_act_dropout_cuda(x, bias, activation, dropout_p, training)
+        if cuda.supports(x, bias, activation):
+            return cuda.bias_act_dropout_cuda(x, bias, activation, dropout_p, training)
     return bias_act_dropout_reference(x, bias, activation, dropout_p, training)

@@ -12,7 +12,8 @@ def bias_dropout_residual_reference(x, bias, residual, dropout_p: float, trainin
 
 def bias_dropout_residual(x, bias, residual, dropout_p: float, training: bool):
     if _extension.use_kernels(x) and _extension.has_op("bias_dropout_residual_fwd"):
-        from ._bias_dropout_residual_cuda import bias_dropout_residual_cuda
+        from . import _bias_dropout_residual_cuda as cuda
 
-        return bias_dropout_residual_cuda(x, bias, residual, dropout_p, training)
+        if cuda.supports(x, bias, residual):
+            return cuda.bias_dropout_residual_cuda(x, bias, residual, dropout_p, training)
     return bias_dropout_residual_reference(x, bias, residual, dropout_p, training)

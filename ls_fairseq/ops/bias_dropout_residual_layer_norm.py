@@ -21,11 +21,11 @@ def bias_dropout_residual_layer_norm(y, bias, residual, weight, ln_bias, dropout
                                      training: bool, eps: float = 1e-5):
     """(x, LayerNorm(x)) with x = residual + dropout(y + bias)."""
     if _extension.use_kernels(y) and _extension.has_op("bias_dropout_residual_layer_norm_fwd"):
-        from ._layer_norm_cuda import bias_dropout_residual_layer_norm_cuda, fused_boundary_fits
+        from . import _bias_dropout_residual_layer_norm_cuda as cuda
 
-        if fused_boundary_fits(y, bias, residual, weight, ln_bias):
-            return bias_dropout_residual_layer_norm_cuda(y, bias, residual, weight, ln_bias,
-                                                         dropout_p, training, eps)
+        if cuda.supports(y, bias, residual, weight, ln_bias):
+            return cuda.bias_dropout_residual_layer_norm_cuda(y, bias, residual, weight, ln_bias,
+                                                              dropout_p, training, eps)
     # the pair, each op on its own path (its kernel, or on the CPU its reference)
     x = bias_dropout_residual(y, bias, residual, dropout_p, training)
     h, x = layer_norm_residual(x, weight, ln_bias, eps)

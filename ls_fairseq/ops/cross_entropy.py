@@ -49,21 +49,33 @@ def label_smoothed_cross_entropy_rows(logits, target, epsilon: float, ignore_ind
     ``inplace_backward``: the CUDA backward may write the gradient over the logits buffer, so the
     caller must not read the logits after backward (the criterion drops them at once).
     """
-    if (logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and _extension.use_kernels(logits) and _extension.has_op("ls_cross_entropy_fwd")):
-        from ._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda
+    if _extension.use_kernels(logits) and _extension.has_op("ls_cross_entropy_fwd"):
+        from . import _cross_entropy_cuda as cuda
 
-        loss, nll, argmax = label_smoothed_cross_entropy_rows_cuda(
-            logits, target, epsilon, ignore_index, compute_argmax=compute_argmax,
-            inplace_backward=inplace_backward)
-        return loss, nll, (argmax if compute_argmax else None)
+        if cuda.supports(logits):
+            loss, nll, argmax = cuda.label_smoothed_cross_entropy_rows_cuda(
+                logits, target, epsilon, ignore_index, compute_argmax=compute_argmax,
+                inplace_backward=inplace_backward)
+            return loss, nll, (argmax if compute_argmax else None)
     return label_smoothed_cross_entropy_rows_reference(logits, target, epsilon, ignore_index,
                                                        compute_argmax)
 
 
 def label_smoothed_cross_entropy(logits, target, epsilon: float, ignore_index: int):
     if _extension.use_kernels(logits) and _extension.has_op("ls_cross_entropy_fwd"):
-        from ._cross_entropy_cuda import label_smoothed_cross_entropy_cuda
+        from . import _cross_entropy_cuda as cuda
 
-        return label_smoothed_cross_entropy_cuda(logits, target, epsilon, ignore_index)
+        if cuda.supports(logits):
+            return cuda.label_smoothed_cross_entropy_cuda(logits, target, epsilon, ignore_index)
     return label_smoothed_cross_entropy_reference(logits, target, epsilon, ignore_index)
+
+
+def label_smoothed_cross_entropy_rows_cuda(logits, target, epsilon: float, ignore_index, *,
+                                           compute_argmax=False, inplace_backward=False):
+    """The kernel path itself (``_cross_entropy_cuda``): per-token fp32 (loss, nll,
+    argmax-or-empty), for callers that must run the kernels (bench); the extension must be
+    loaded and :func:`_cross_entropy_cuda.supports` the logits."""
+    from ._cross_entropy_cuda import label_smoothed_cross_entropy_rows_cuda as kernel
+
+    return kernel(logits, target, epsilon, ignore_index, compute_argmax=compute_argmax,
+                  inplace_backward=inplace_backward)

@@ -44,12 +44,13 @@ def transformer_embedding(
 ):
     """tokens, positions: [B, T] int64; token_weight: [V, C]; pos_weight: [P, C] or None."""
     if _extension.use_kernels(token_weight) and _extension.has_op("embedding_fwd"):
-        from ._embedding_cuda import transformer_embedding_cuda
+        from . import _embedding_cuda as cuda
 
-        return transformer_embedding_cuda(
-            tokens, positions, token_weight, pos_weight, scale, padding_idx, dropout_p,
-            training, zero_pad,
-        )
+        if cuda.supports(tokens, positions, token_weight, pos_weight):
+            return cuda.transformer_embedding_cuda(
+                tokens, positions, token_weight, pos_weight, scale, padding_idx, dropout_p,
+                training, zero_pad,
+            )
     return transformer_embedding_reference(
         tokens, positions, token_weight, pos_weight, scale, padding_idx, dropout_p, training,
         zero_pad,

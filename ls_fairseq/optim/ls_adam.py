@@ -18,7 +18,8 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from .. import ops, switches
-from . import deferred_overflow, flat_all_reduce
+from ..graphs import flat_all_reduce
+from . import deferred_overflow
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,10 @@ class FairseqLSAdam(FairseqOptimizer):
     def all_reduce_grads(self, module):
         """Under ``--ddp-backend legacy_ddp``/``no_c10d`` with flat gradients (``--ls-cuda-graphs``
         replays): one in-place all-reduce per buffer instead of fairseq's copy loops
-        (:mod:`.flat_all_reduce`). fairseq's FP16 wrappers call this method of their inner
-        optimizer with the trainer's model."""
+        (:mod:`ls_fairseq.graphs.flat_all_reduce`), or none where the engine already issued it
+        during the backward (the model's ``graphs.flat_gradients_of(module).all_reduced``).
+        fairseq's FP16 wrappers call this method of their inner optimizer with the trainer's
+        model."""
         if flat_all_reduce.all_reduce_flat(module):
             if not self._logged_flat_all_reduce:
                 self._logged_flat_all_reduce = True
@@ -173,7 +176,7 @@ class LSAdam(torch.optim.Optimizer):
 
     def _step_fp16_stats_fused(self, items, group, step, grad_scale):
         """All tensors of one step count: the kernel's two-pass scaled-fp16-moment update."""
-        from ..ops._adam_cuda import adam_step_cuda
+        from ..ops.adam import adam_step_cuda
 
         params = [p.data for p, _ in items]
         states = [s for _, s in items]
@@ -245,7 +248,7 @@ class LSAdam(torch.optim.Optimizer):
         fp16_params = [p for p in fp16_params if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fp16_params]
         if self._kernels_ok([p.data for p in fp16_params]):
-            from ..ops._adam_cuda import adam_step_cuda as adam_step
+            from ..ops.adam import adam_step_cuda as adam_step
         elif self.fp16_stats and torch.is_tensor(fp32_params):
             raise RuntimeError("ls_adam --ls-fused-fp16-copy --fp16-adam-stats with a flat fp32 "
                                "master needs the CUDA kernels")

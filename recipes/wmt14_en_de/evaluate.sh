@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# evaluate.sh: BLEU of a run of train_baseline.sh / train_ls.sh on newstest2014.
+# evaluate.sh: BLEU of a run of train.sh (baseline or ls) on newstest2014.
 #
 #   1. average the last N epoch checkpoints of SAVE_DIR (checkpointEPOCH.pt; --by updates uses
 #      checkpoint_EPOCH_UPDATE.pt from --save-interval-updates instead), like fairseq's

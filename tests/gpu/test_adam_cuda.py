@@ -639,3 +639,39 @@ def test_nonfinite_scale_skips_everything_and_fp16_moments_keep_true_values():
     true_m = float((old[len(sizes) + 2][12345] * 100).half()) * 0.01
     got = float(ms16[2][12345].float() * scales[2, 0])
     assert abs(got - true_m) <= abs(true_m) * 2**-10 + float(scales[2, 0])
+
+
+def test_opcheck():
+    """torch.library.opcheck of both Adam ops on small tensors: the schema (exactly the arguments
+    declared mutable are written, nothing aliases) and the fake (meta) implementations. The
+    autograd checks do not apply (optimizer ops, no gradient)."""
+    from ls_fairseq.ops import _adam_cuda  # noqa: F401  (registers the ops' fakes)
+
+    ops = torch.ops.ls_fairseq
+    utils = ("test_schema", "test_faketensor")
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [(7,), (33, 5)]
+    params = [torch.randn(s, device=DEV, generator=g) for s in shapes]
+    grads = [torch.randn(s, device=DEV, generator=g) for s in shapes]
+    ms = [torch.randn(s, device=DEV, generator=g) * 0.1 for s in shapes]
+    vs = [torch.rand(s, device=DEV, generator=g) * 0.01 for s in shapes]
+    copies = [torch.empty(s, device=DEV, dtype=torch.float16) for s in shapes]
+    found_inf = torch.zeros(1, dtype=torch.int32, device=DEV)
+    # lr, beta1, beta2, eps, weight_decay, step_size, grad_scale
+    hyper = (1e-3, 0.9, 0.98, 1e-8, 0.01, 1e-3, 0.5)
+    torch.library.opcheck(ops.multi_tensor_adam.default,
+                          (params, grads, ms, vs, copies, None, None, None, found_inf, *hyper),
+                          test_utils=utils)
+    # fp16 moments stored as true / scale (--fp16-adam-stats): the statistics pass, then the step
+    m16 = [m.half() for m in ms]
+    v16 = [v.half() for v in vs]
+    m_sc = torch.ones(len(shapes), 2, device=DEV)
+    v_sc = torch.ones(len(shapes), 2, device=DEV)
+    maxima = torch.zeros(len(shapes), 2, device=DEV)
+    torch.library.opcheck(ops.multi_tensor_adam_moment_max.default,
+                          (params, grads, m16, v16, torch.ones(1, device=DEV), m_sc, v_sc,
+                           found_inf, maxima, 0.9, 0.98, 1.0), test_utils=utils)
+    torch.library.opcheck(ops.multi_tensor_adam.default,
+                          (params, grads, m16, v16, [], None, m_sc, v_sc, found_inf, *hyper),
+                          test_utils=utils)
+

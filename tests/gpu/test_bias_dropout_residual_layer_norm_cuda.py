@@ -1,6 +1,7 @@
 """GPU tests of the fused pre-LN sublayer boundary ``(x, LayerNorm(x))``, ``x = residual +
-dropout(y + bias)`` (csrc/layer_norm.cu's bdr_ln_fwd_warp_kernel, its C++ autograd in
-csrc/layer_norm_autograd.cpp, ls_fairseq/ops/bias_dropout_residual_layer_norm.py).
+dropout(y + bias)`` (csrc/bias_dropout_residual_layer_norm.cu's bdr_ln_fwd_warp_kernel, its C++
+autograd in csrc/bias_dropout_residual_layer_norm_autograd.cpp,
+ls_fairseq/ops/bias_dropout_residual_layer_norm.py and _bias_dropout_residual_layer_norm_cuda.py).
 
 Oracle: the unfused pair it replaces, ``bias_dropout_residual`` then ``layer_norm_residual`` (each
 tested against float64 truth and the Philox oracle in its own test file, and against fairseq's
@@ -42,9 +43,13 @@ SHAPES = [(1, 8), (7, 64), (33, 512), (129, 1000), (1024, 1024), (5, 1536), (9, 
 def kernels():
     assert _extension.load(), f"CUDA extension did not build: {_extension.failure_reason()}"
     assert _extension.has_op("bias_dropout_residual_layer_norm_fwd")
-    from ls_fairseq.ops import _bias_dropout_residual_cuda, _layer_norm_cuda
+    from ls_fairseq.ops import (
+        _bias_dropout_residual_cuda,
+        _bias_dropout_residual_layer_norm_cuda,
+        _layer_norm_cuda,
+    )
 
-    return _layer_norm_cuda, _bias_dropout_residual_cuda
+    return _layer_norm_cuda, _bias_dropout_residual_cuda, _bias_dropout_residual_layer_norm_cuda
 
 
 def _inputs(rows, C, dtype, has_bias, has_w, has_lb, seed):
@@ -62,16 +67,16 @@ def _inputs(rows, C, dtype, has_bias, has_w, has_lb, seed):
 
 
 def _unfused(kernels, y, b, r, w, lb, p, train):
-    ln, bdr = kernels
+    ln, bdr, _ = kernels
     x = bdr.bias_dropout_residual_cuda(y, b, r, p, train)
     h, x = ln.layer_norm_residual_cuda(x, w, lb, 1e-5)
     return x, h
 
 
 def _check_equal(kernels, rows, C, dtype, has_bias, has_w, has_lb, p, train, outs):
-    ln, _ = kernels
+    _, _, fused = kernels
     y, b, r, w, lb = _inputs(rows, C, dtype, has_bias, has_w, has_lb, seed=rows * 7 + C)
-    assert ln.fused_boundary_fits(y, b, r, w, lb)
+    assert fused.supports(y, b, r, w, lb)
     torch.manual_seed(123)
     x, h = bias_dropout_residual_layer_norm(y, b, r, w, lb, p, train)
     torch.manual_seed(123)
@@ -122,9 +127,9 @@ def test_optional_parameters_and_either_output(kernels, has_bias, has_w, has_lb,
 @pytest.mark.parametrize("dtype,C", [(torch.float16, 1002), (torch.float16, 4096),
                                      (torch.float32, 2048), (torch.bfloat16, 12)])
 def test_shapes_the_kernel_does_not_take_use_the_pair(kernels, dtype, C):
-    ln, _ = kernels
+    _, _, fused = kernels
     y, b, r, w, lb = _inputs(9, C, dtype, True, True, True, seed=C)
-    assert not ln.fused_boundary_fits(y, b, r, w, lb)
+    assert not fused.supports(y, b, r, w, lb)
     torch.manual_seed(9)
     x, h = bias_dropout_residual_layer_norm(y, b, r, w, lb, 0.1, True)
     torch.manual_seed(9)
@@ -135,11 +140,11 @@ def test_shapes_the_kernel_does_not_take_use_the_pair(kernels, dtype, C):
 
 
 def test_misaligned_views_use_the_pair(kernels):
-    ln, _ = kernels
+    _, _, fused = kernels
     big = torch.randn(9 * 1024 + 1, device="cuda", dtype=torch.float16)
     y = big[1:].view(9, 1024)  # 2-byte offset
     r = torch.randn(9, 1024, device="cuda", dtype=torch.float16)
-    assert not ln.fused_boundary_fits(y, None, r, None, None)
+    assert not fused.supports(y, None, r, None, None)
     x, h = bias_dropout_residual_layer_norm(y, None, r, None, None, 0.0, True)
     rx, rh = bias_dropout_residual_layer_norm_reference(y.float(), None, r.float(), None, None,
                                                         0.0, True)

@@ -342,6 +342,7 @@ def test_more_than_2_to_31_logits():
 
 
 def test_opcheck():
+    _cuda()  # the binding registers the ops' fakes
     logits, target = _inputs(11, 37, torch.float16, seed=8)
     ops = torch.ops.ls_fairseq
     utils = ("test_schema", "test_faketensor")

@@ -14,14 +14,11 @@ the same masks as the eager step (same tolerances). Attention query/key projecti
 are measured against their block's value-projection gradient (``fairseq_helpers.grad_err``:
 they are rounding error where the softmax gradient cancels).
 """
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq_helpers import (  # noqa: E402
     DummyTask, build_model, grad_err, make_dictionary, random_batch, run_workers,
 )
@@ -386,8 +383,8 @@ def test_fairseq_train_same_losses(tmp_path, more):
 def test_every_training_step_accumulates_into_the_flat_buffers(dictionary):
     """Eager steps (first sightings, a second forward before the first's backward) leave their
     gradients in the same flat buffers as replays, so with several GPUs each rank all-reduces the
-    same buffers whatever path its step took (optim/flat_all_reduce.py)."""
-    from ls_fairseq.optim.flat_all_reduce import flat_grad_buffers
+    same buffers whatever path its step took (graphs/flat_all_reduce.py)."""
+    from ls_fairseq.graphs.flat_all_reduce import flat_grad_buffers
 
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
     params = [p for p in m2.parameters() if p.requires_grad]
@@ -441,7 +438,7 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
     two micro-batches (no reduction inside no_sync) and a replay and an eager forward in one
     backward pass; then ls_adam's all_reduce_grads must find the buffers done (reduces nothing
     more). fp32, tolerance relative 1e-5 (graph vs eager rounding, as above)."""
-    from ls_fairseq.optim import flat_all_reduce
+    from ls_fairseq.graphs import flat_all_reduce
 
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.02)
     wrapped = _FakeLegacyDDP.wrap(m2)
@@ -496,7 +493,7 @@ def _two_gpu_worker(rank):
     import torch.distributed as dist
     from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
 
-    from ls_fairseq.optim import flat_all_reduce
+    from ls_fairseq.graphs import flat_all_reduce
 
     dictionary = make_dictionary(203)
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.05)

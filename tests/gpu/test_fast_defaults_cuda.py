@@ -39,13 +39,11 @@ import math
 import os
 import re
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_end_to_end import fairseq_cli, make_tiny_data, train_cmd  # noqa: E402
 from ls_fairseq.flops import device_peak_tflops  # noqa: E402
 from ls_fairseq.ops import _extension  # noqa: E402

@@ -6,14 +6,12 @@ and report the rest.
 The checkpoint is trained with the plain command (``--fp16`` and names only), so with what a user
 gets by default: CUDA graphs, ls_adam's fused fp16 copy and its deferred overflow check; how it
 was trained does not matter to the comparison, only that such a checkpoint converts and decodes."""
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_end_to_end import USER_DIR, data_bin, fairseq_cli, run, train  # noqa: E402,F401
 
 pytestmark = pytest.mark.gpu

@@ -6,22 +6,17 @@ steps (same tolerances as ``test_cuda_graphs_cuda.py``, whose tests run with the
 stream's warm-up cache is given back, and the graphs' pool plus that cache hold less than with
 ``grow`` for the same shapes.
 """
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq_helpers import DummyTask, build_model  # noqa: E402
 from test_cuda_graphs_cuda import (  # noqa: E402,F401  (the fixtures, shared)
     SMALL, _assert_replays_match_eager, _sample, dictionary, kernels_required,
 )
-from ls_fairseq.criterions import graph_memory  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
+from ls_fairseq.graphs import memory as graph_memory  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

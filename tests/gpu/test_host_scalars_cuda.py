@@ -3,8 +3,6 @@ work queued after them (the optimizer step, in fairseq's trainer), and log exact
 ``label_smoothed_cross_entropy.reduce_metrics`` logs from the same CUDA scalars (tolerance:
 relative 1e-6 before fairseq's rounding: fp32 vs double sums of the same few numbers). With
 several processes the logs go through fairseq's own gather (two gloo processes on one GPU)."""
-import os
-import sys
 import time
 
 import pytest
@@ -12,7 +10,6 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.logging import metrics
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq_helpers import DummyTask, make_dictionary  # noqa: E402
 from ls_fairseq.criterions.host_scalars import HostCopy, to_host  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402

@@ -6,13 +6,10 @@ tensor's max). fp16: compared against fairseq in fp32 (the truth), ls_ must be n
 than fairseq in fp16 (see the test's docstring).
 """
 import copy
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq_helpers import build_pair, make_dictionary, random_batch  # noqa: E402
 
 pytestmark = pytest.mark.gpu

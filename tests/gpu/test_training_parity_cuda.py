@@ -92,8 +92,7 @@ AFTER_OVERFLOW_DROPOUT = 0.1
 
 def prepare(work):
     """The learnable corpus (bench/learnable_corpus.py), binarised under ``work / "bin"``."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import learnable_corpus
+    import learnable_corpus  # bench/ (pytest.ini's pythonpath)
 
     learnable_corpus.write_corpus(work / "text", train=4000, valid=200, test=10)
     subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en",

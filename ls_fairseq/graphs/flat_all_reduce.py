@@ -15,19 +15,20 @@ elements per view; the graph runner keeps it zero). Otherwise fairseq's own meth
 All ranks must take the same path: fairseq's method all-reduces packed gradients (no padding, in
 chunks of its buffer size), so a rank on it and a rank on the flat path could pair NCCL calls of
 different sizes. With ``--ls-cuda-graphs`` every training step, replayed or eager, accumulates
-into the flat buffers (``criterions/cuda_graphs.py``), so every rank takes the flat path.
+into the flat buffers (``flat_gradients.py``), so every rank takes the flat path.
 
 With ``--ls-cuda-graphs`` the buffers are normally all-reduced earlier, bucket by bucket during
-the backward (``grad_buckets.py``); the buffers then carry a mark, and this method only takes it
-off. Otherwise (``--ls-all-reduce-bucket-mb 0``) it does the whole reduction itself.
+the backward (``grad_buckets.py``); the model's ``FlatGradients`` (``flat_gradients_of``) then
+say ``all_reduced``, and this method only takes that off. Otherwise (``--ls-all-reduce-bucket-mb
+0``, or gradients that are flat without an engine behind them) it does the whole reduction itself.
 """
 import torch
 
-from .. import grad_buckets
 from ..wrappers import legacy_ddp_of
+from .flat_gradients import ALIGN, flat_gradients_of
 
-# the criterion's CUDA-graph accumulators align each view to 16 elements
-_MAX_PAD = 16
+# the engine's accumulators align each view to ALIGN (16) elements
+_MAX_PAD = ALIGN
 
 
 def flat_grad_buffers(params):
@@ -68,9 +69,11 @@ def all_reduce_flat(module):
         return False
     if ddp.accumulate_grads:  # inside no_sync(): fairseq's method does nothing there either
         return True
-    reduced = [grad_buckets.all_reduced(buf) for buf in buffers]
-    if all(reduced):  # during the backward (grad_buckets.py)
-        grad_buckets.mark_all_reduced(buffers, False)
+    grads = flat_gradients_of(ddp.module)
+    reduced = [grads is not None and grads.all_reduced and grads.holds(buf) for buf in buffers]
+    if all(reduced):  # during the backward (grad_buckets.py); no buffers: nothing to reduce
+        if reduced:
+            grads.all_reduced = False
         return True
     if any(reduced):
         raise RuntimeError("ls_fairseq: some flat gradient buffers were all-reduced during the "

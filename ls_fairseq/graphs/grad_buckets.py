@@ -1,8 +1,8 @@
 """Gradient all-reduce bucket by bucket, overlapped with the backward.
 
 Used by ``--ls-cuda-graphs`` under fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``, where all
-gradients live in flat per-dtype buffers (``criterions/cuda_graphs.py``). Without overlap, each
-buffer is divided and all-reduced once the backward is over (``optim/flat_all_reduce.py``): 1.4 ms
+gradients live in flat per-dtype buffers (``flat_gradients.py``). Without overlap, each
+buffer is divided and all-reduced once the backward is over (``flat_all_reduce.py``): 1.4 ms
 for transformer big's 420 MB of fp16 gradients on 2x H200, added to every update
 (docs/PERFORMANCE.md, "Several GPUs").
 
@@ -11,7 +11,8 @@ order in which the backward completes them, as torch DDP does). A CUDA event mar
 a bucket's gradients are complete; inside a captured backward graph it is an external event node,
 so every replay signals it. Once the backward is issued (the end of the autograd pass), the host
 queues every bucket's division and all-reduce on a side stream, each behind its event: the GPU runs
-them while the rest of the backward goes on.
+them while the rest of the backward goes on. The engine (``replay.py``) then sets the
+``FlatGradients``' ``all_reduced``, so ls_adam's ``all_reduce_grads`` does not reduce them again.
 
 NCCL pairs the collectives of the ranks by their order, so every rank issues the same buckets in
 the same order at the same point of the update (the end of the backward of its last micro-batch),
@@ -23,9 +24,6 @@ import collections
 
 import torch
 import torch.distributed as dist
-
-# set on a flat buffer whose all-reduce for the current update has been issued
-_REDUCED = "_ls_fairseq_all_reduced"
 
 
 class GradBuckets:
@@ -95,12 +93,3 @@ def legacy_reduce(world_size, group):
         return dist.all_reduce(bucket, group=group, async_op=True)
     return reduce
 
-
-def mark_all_reduced(flats, value=True):
-    for flat in flats:
-        setattr(flat, _REDUCED, value)
-
-
-def all_reduced(flat):
-    """Whether ``flat``'s all-reduce of the current update was issued during the backward."""
-    return getattr(flat, _REDUCED, False)

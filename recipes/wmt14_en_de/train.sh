@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# train_ls.sh: WMT14 En-De Transformer big with the ls_fairseq fused kernels (--user-dir plugin).
+# train.sh: WMT14 En-De Transformer big, with plain fairseq (baseline) or with the ls_fairseq
+# fused kernels (ls: the --user-dir plugin).
 #
 # The "Scaling Neural Machine Translation" recipe (Ott et al. 2018; fairseq examples/scaling_nmt)
 # on the pre-norm big Transformer (transformer_wmt_en_de_big_t2t): Adam (0.9, 0.98), lr 5e-4,
 # inverse_sqrt with 4000 warm-up updates from 1e-7, dropout 0.3, label smoothing 0.1, no weight
 # decay, no gradient clipping, shared embeddings, fp16 on GPU.
-# This is train_baseline.sh with the ls_ names (diff the two files: nothing else differs).
+# The two variants run the same recipe and differ only in the components' names (below).
 #
 # Usage:
-#   train_ls.sh --data DATA_BIN --save-dir DIR [--gpus N] [--max-tokens N] [--update-freq N]
-#               [--max-update N] [--lr LR] [--dry-run] [EXTRA fairseq-train ARGS...]
+#   train.sh baseline|ls --data DATA_BIN --save-dir DIR [--gpus N] [--max-tokens N]
+#            [--update-freq N] [--max-update N] [--lr LR] [--dry-run] [EXTRA fairseq-train ARGS...]
 #
+#   baseline         fairseq's own transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy,
+#                    adam
+#   ls               ls_transformer_wmt_en_de_big_t2t, ls_label_smoothed_cross_entropy, ls_adam,
+#                    --user-dir the installed ls_fairseq package
 #   --gpus N         GPUs to train on (default: all visible; 0 = CPU, no fp16)
 #   --max-tokens N   tokens per GPU per batch (default 3584, as in the paper's V100 runs;
 #                    an 80 GB H100 takes 8192 or more)
@@ -26,14 +31,24 @@
 # Re-running the same command resumes from DIR/checkpoint_last.pt.
 set -euo pipefail
 
-# ---- the only block that differs in train_ls.sh ----------------------------------------------
-NAME=ls
-ARCH=ls_transformer_wmt_en_de_big_t2t
-CRITERION=ls_label_smoothed_cross_entropy
-OPTIMIZER=ls_adam
-LS_USER_DIR=$(${PYTHON:-python3} -c 'import ls_fairseq, os; print(os.path.dirname(ls_fairseq.__file__))') \
-    || { echo "$0: cannot import ls_fairseq (pip install . in the ls-fairseq checkout)" >&2; exit 2; }
-USER_DIR_ARGS=(--user-dir "$LS_USER_DIR")
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+PYTHON=${PYTHON:-python3}
+
+# ---- the variant: the only difference (and --user-dir for ls, below) ---------------------------
+NAME=${1:-}
+case "$NAME" in
+    baseline)
+        ARCH=transformer_wmt_en_de_big_t2t
+        CRITERION=label_smoothed_cross_entropy
+        OPTIMIZER=adam ;;
+    ls)
+        ARCH=ls_transformer_wmt_en_de_big_t2t
+        CRITERION=ls_label_smoothed_cross_entropy
+        OPTIMIZER=ls_adam ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "$0: the first argument is the variant, baseline or ls (see --help)" >&2; exit 2 ;;
+esac
+shift
 # -------------------------------------------------------------------------------------------------
 
 DATA=""
@@ -55,13 +70,19 @@ while [ $# -gt 0 ]; do
         --max-update) MAX_UPDATE=$2; shift 2 ;;
         --lr) LR=$2; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
-        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) usage; exit 0 ;;
         --) shift; EXTRA+=("$@"); break ;;
         *) EXTRA+=("$1"); shift ;;
     esac
 done
 [ -n "$DATA" ] || { echo "$0: --data DATA_BIN is required (see --help)" >&2; exit 2; }
 [ -n "$SAVE_DIR" ] || { echo "$0: --save-dir DIR is required (see --help)" >&2; exit 2; }
+USER_DIR_ARGS=()
+if [ "$NAME" = ls ]; then
+    LS_USER_DIR=$("$PYTHON" -c 'import ls_fairseq, os; print(os.path.dirname(ls_fairseq.__file__))') \
+        || { echo "$0: cannot import ls_fairseq (pip install . in the ls-fairseq checkout)" >&2; exit 2; }
+    USER_DIR_ARGS=(--user-dir "$LS_USER_DIR")
+fi
 if [ -z "$GPUS" ]; then
     GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
@@ -74,7 +95,6 @@ else
     DEVICE_ARGS=(--cpu)
 fi
 
-PYTHON=${PYTHON:-python3}
 if command -v fairseq-train >/dev/null; then
     TRAIN=(fairseq-train)
 else  # the console script is not on PATH (pip --user / --target install): its module

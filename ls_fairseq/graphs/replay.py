@@ -1,4 +1,5 @@
-"""Training forward and backward replayed as CUDA graphs, one pair per batch shape.
+"""Training forward and backward replayed as CUDA graphs, one pair per batch shape: the engine
+(``CudaGraphedLoss``).
 
 Why: on the H100 the ls_ model's forward+backward issues ~550 kernels, and issuing them from
 Python takes longer (53 ms at 8192 tokens, ``bench/host_overhead.py``) than the GPU needs to run
@@ -7,36 +8,36 @@ them (30 ms). A replayed CUDA graph issues the same kernels with one call.
 How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 
 * A batch shape (the shapes and dtypes of ``net_input`` and ``target``) not kept captured is
-  captured at its second sighting; its first sighting runs eagerly as usual (lazily grown
-  tables). With ``capture_first_sighting`` (the criterion's default when batches are padded to
-  bucketed shapes, which recur) it is captured at once, unless it is larger in some dimension
-  than every step run so far (``CapturePolicy``): then it runs eagerly first, or, with
+  captured at its second sighting; its first sighting runs eagerly as usual (lazily grown tables).
+  With ``capture_first_sighting`` (the criterion's default when batches are padded to bucketed
+  shapes, which recur) it is captured at once, unless it is larger in some dimension than every
+  step run so far (``capture_policy.CapturePolicy``): then it runs eagerly first, or, with
   ``--ls-cuda-graphs-memory compact`` (the default), a forward without gradients grows the lazy
-  state and the shape is captured at once (``_grow_lazy_state``). Capturing means: the
-  criterion's forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
+  state and the shape is captured at once (``_grow_lazy_state``). Capturing means: the criterion's
+  forward (model + loss) is captured into one graph and ``torch.autograd.grad`` of the loss into a
   second, which writes the gradients into fixed accumulator buffers; the step itself is then the
   first replay. A backward graph captured at an update's first micro-batch overwrites the
   accumulators (nothing to add to; the flat buffers need no zeroing); once an update of several
   micro-batches (``--update-freq``) is seen, the graphs that overwrite are dropped and new ones
-  add into the accumulators, as they always do under legacy DDP's bucketed all-reduce. Before
-  the first capture, one more eager step on the capture stream
-  (gradients dropped, dropout draws undone) sets that stream up (cuBLAS workspace and handles);
-  later shapes capture without it (``bench/capture_cost.py``: a capture then costs 63 instead of
-  105 ms for transformer big at ~6.7k tokens, against 54 ms for an eager step).
+  add into the accumulators, as they always do under legacy DDP's bucketed all-reduce. Before the
+  first capture, one more eager step on the capture stream (gradients dropped, dropout draws
+  undone) sets that stream up (cuBLAS workspace and handles); later shapes capture without it
+  (``bench/capture_cost.py``: a capture then costs 63 instead of 105 ms for transformer big at
+  ~6.7k tokens, against 54 ms for an eager step).
 * The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
   usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
-  accumulators become the parameters' ``.grad`` (zeroed or overwritten when fairseq has set
-  ``.grad`` to None),
-  so ``--update-freq`` accumulation, gradient clipping and every fairseq optimizer wrapper work
-  unchanged. Eager steps (e.g. a shape's first sighting) accumulate into the same buffers: with
-  several GPUs every rank then all-reduces the same flat buffers in the same NCCL calls, whether
-  its step was replayed or not (otherwise a rank running fairseq's packed all-reduce next to one
-  all-reducing padded flat buffers would pair collectives of different sizes).
+  accumulators (``flat_gradients.FlatGradients``) become the parameters' ``.grad`` (zeroed or
+  overwritten when fairseq has set ``.grad`` to None), so ``--update-freq`` accumulation, gradient
+  clipping and every fairseq optimizer wrapper work unchanged. Eager steps (e.g. a shape's first
+  sighting) accumulate into the same buffers: with several GPUs every rank then all-reduces the
+  same flat buffers in the same NCCL calls, whether its step was replayed or not (otherwise a rank
+  running fairseq's packed all-reduce next to one all-reducing padded flat buffers would pair
+  collectives of different sizes).
 * All graphs share one memory pool: their temporaries (activations) reuse the same memory, which
   is safe because a shape's forward and backward replay back to back. If a second forward comes
   before the first one's backward, the second runs eagerly (it must not overwrite activations
-  still waiting for their backward). ``graph_memory.GraphMemory`` keeps that pool one arena and
+  still waiting for their backward). ``memory.GraphMemory`` keeps that pool one arena and
   gives the eager steps' idle cache back to the driver (``--ls-cuda-graphs-memory``).
 * The graphs run the model on aliases of its parameters (same storage, their own autograd
   leaves), so they never depend on autograd state of eager steps (``_check_aliases``).
@@ -48,7 +49,7 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   external CUDA event after each bucket. At the end of the backward of an update's last
   micro-batch (replayed or eager) the buckets are all-reduced on a side stream, each as soon as
   its event fires, so the all-reduce runs under the rest of the backward; ls_adam's
-  ``all_reduce_grads`` then finds the buffers done (``optim/flat_all_reduce.py``).
+  ``all_reduce_grads`` then finds the buffers done (``flat_all_reduce.py``).
   ``--ls-all-reduce-bucket-mb 0`` leaves the whole all-reduce to ``all_reduce_grads``.
 
 Limits: the gradients bypass autograd's per-parameter hooks, so torch DDP (``--ddp-backend
@@ -64,15 +65,14 @@ import weakref
 
 import torch
 
-from .. import grad_buckets, switches
+from .. import switches
 from ..wrappers import find_wrapper, legacy_ddp_of
-from .graph_memory import MEMORY_CHOICES, GraphMemory
+from . import grad_buckets
+from .capture_policy import CapturePolicy
+from .flat_gradients import FlatGradients, innermost, register
+from .memory import MEMORY_CHOICES, GraphMemory
 
 logger = logging.getLogger(__name__)
-
-# Flat accumulator views start at multiples of this many elements (16 bytes for fp16), so the
-# vectorised optimizer and norm kernels see aligned gradients.
-_ALIGN = 16
 
 
 class _Graphs:
@@ -88,52 +88,6 @@ class _Graphs:
         # the backward writes the gradients into the accumulators instead of adding them
         # (captured at the first micro-batch of an update: CudaGraphedLoss._grads)
         self.overwrites = overwrites
-
-
-CAPTURE_CHOICES = ("auto", "first-sighting", "second-sighting")  # --ls-cuda-graphs-capture
-
-
-def captures_first_sighting(capture: str, padded: bool) -> bool:
-    """``--ls-cuda-graphs-capture`` resolved: ``auto`` captures at the first sighting when the
-    batches are padded to bucketed shapes (they recur), else at the second (one-off shapes would
-    pay for a capture they never use)."""
-    if capture not in CAPTURE_CHOICES:
-        raise ValueError(f"--ls-cuda-graphs-capture must be {', '.join(CAPTURE_CHOICES[:-1])} or "
-                         f"{CAPTURE_CHOICES[-1]}, got {capture!r}")
-    return capture == "first-sighting" or (capture == "auto" and padded)
-
-
-class CapturePolicy:
-    """When a batch shape that has no graphs is captured rather than run eagerly.
-
-    A shape's first sighting runs eagerly, so whatever the model grows lazily for larger inputs
-    (fairseq's sinusoidal positional table, grown to the longest sequence seen) grows outside a
-    capture; inside one it would land in the graphs' memory pool. Its second sighting is
-    captured. With ``first_sighting``, a shape is captured at its first
-    sighting too, unless some dimension of some input exceeds the largest run so far (of the
-    same inputs, dtypes and ranks): then nothing can need growing. In a shuffled epoch that
-    leaves a few dozen eager steps (each dimension's running maximum rises ~log(n) times).
-    Used by ``bench/shape_buckets.py`` as well."""
-
-    def __init__(self, first_sighting: bool = False):
-        self.first_sighting = first_sighting
-        self.sightings = collections.Counter()
-        self.largest = {}  # signature -> per input, the largest size of each dimension run
-
-    def capture(self, signature, shapes) -> bool:
-        """Counts a sighting of (signature, shapes), a shape without graphs; True: capture it."""
-        self.sightings[signature, shapes] += 1
-        if self.sightings[signature, shapes] >= 2:
-            return True
-        largest = self.largest.get(signature)
-        return self.first_sighting and largest is not None and all(
-            n <= m for shape, top in zip(shapes, largest) for n, m in zip(shape, top))
-
-    def ran(self, signature, shapes):
-        """A step of these shapes ran (eagerly or captured)."""
-        largest = self.largest.get(signature)
-        self.largest[signature] = shapes if largest is None else tuple(
-            tuple(map(max, shape, top)) for shape, top in zip(shapes, largest))
 
 
 class _PendingReduce:
@@ -193,16 +147,6 @@ class _EagerBackward(torch.autograd.Function):
         return None, grad
 
 
-def _innermost(model):
-    """The model inside the trainer's wrappers (their ``module`` children)."""
-    for _ in range(8):
-        inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None
-        if inner is None:
-            return model
-        model = inner
-    return model
-
-
 class CudaGraphedLoss:
     """Runs ``compute(model, sample) -> (loss, *other tensors or None)`` through CUDA graphs.
 
@@ -228,11 +172,11 @@ class CudaGraphedLoss:
         self._memory = None  # GraphMemory: the graphs' pool, created at the first capture
         self._stream = None
         self._model_ref = None
-        self._params = None
+        # the model's gradient accumulators (flat_gradients.FlatGradients), created by _setup
+        # and registered for the model (flat_gradients.flat_gradients_of finds them)
+        self.flat_gradients = None
         self._aliases = None
         self._alias_ptrs = None
-        self._accumulators = None  # per-parameter views of flat per-dtype buffers
-        self._flats = None
         self._buckets = None  # grad_buckets.GradBuckets over the flat buffers
         self._on_alias_grad = None  # set while a backward is being captured
         self._reduce = None  # the pending all-reduce of this update (_PendingReduce)
@@ -248,6 +192,19 @@ class CudaGraphedLoss:
 
     # -- public ------------------------------------------------------------------------------
 
+    # the parts of flat_gradients the engine works with (None before _setup)
+    @property
+    def _params(self):
+        return None if self.flat_gradients is None else self.flat_gradients.params
+
+    @property
+    def _flats(self):
+        return None if self.flat_gradients is None else self.flat_gradients.flats
+
+    @property
+    def _accumulators(self):  # per-parameter views of the flat per-dtype buffers
+        return None if self.flat_gradients is None else self.flat_gradients.views
+
     def applies(self, model, sample) -> bool:
         """Whether this training call may run through the graphs. Where they cannot apply for
         the run (torch DDP; by default also a model not known to be capturable) they step aside
@@ -261,8 +218,8 @@ class CudaGraphedLoss:
                       "fairseq's default) all-reduces gradients from per-parameter autograd hooks "
                       "that graph replay bypasses; use --ddp-backend legacy_ddp (or no_c10d) to "
                       "keep them")
-        elif not self.required and not getattr(_innermost(model), "supports_cuda_graphs", False):
-            reason = (f"the model ({type(_innermost(model)).__name__}) is not an ls_transformer, "
+        elif not self.required and not getattr(innermost(model), "supports_cuda_graphs", False):
+            reason = (f"the model ({type(innermost(model)).__name__}) is not an ls_transformer, "
                       f"whose training step is known to be capturable; pass --ls-cuda-graphs to "
                       f"try it anyway")
         if reason is not None:
@@ -304,7 +261,7 @@ class CudaGraphedLoss:
             # event recorded after its add, which a later micro-batch's replay must not undo
             graphs = self._capture(model, sample, compute, key[1], record_ready=ddp is not None,
                                    overwrite=ddp is None and not self._accumulating
-                                   and self._fresh())
+                                   and self.flat_gradients.fresh())
             self.policy.ran(*key)
             self._graphs[key] = graphs
             self.stats["captured"] += 1
@@ -350,7 +307,7 @@ class CudaGraphedLoss:
         same calls whether its step replayed or not."""
         self.stats["eager"] += 1
         self._eager_ran()
-        self._bind_accumulators(self._fresh())
+        self.flat_gradients.bind(self.flat_gradients.fresh())
         out = compute(model, sample)
         self.policy.ran(*key)
         if not sync_ddp:
@@ -403,48 +360,19 @@ class CudaGraphedLoss:
 
     def _all_reduce(self):
         pending, self._reduce = self._reduce, None
-        if not all(p.grad is not None and p.grad.data_ptr() == acc.data_ptr()
-                   for p, acc in zip(self._params, self._accumulators)):
+        if not self.flat_gradients.bound():
             return  # a .grad someone else allocated: ls_adam's all_reduce_grads decides
         ddp, buckets = pending.ddp, self._buckets
         reduce = self.reduce_bucket or grad_buckets.legacy_reduce(ddp.world_size,
                                                                   ddp.process_group)
         ready = pending.ready or [None] * len(buckets.buckets)
         buckets.issue(self._flats, ready, reduce)
-        grad_buckets.mark_all_reduced(self._flats)
+        self.flat_gradients.all_reduced = True
         if not self.stats["overlapped_all_reduce"]:
             logger.info(f"--ls-cuda-graphs: all-reducing gradients in {len(buckets.buckets)} "
                         f"buckets (--ls-all-reduce-bucket-mb {self.bucket_mb:g}) as the backward "
                         f"completes them")
         self.stats["overlapped_all_reduce"] += 1
-
-    def _fresh(self):
-        """No gradient yet in this update (fairseq's zero_grad sets every ``.grad`` to None)."""
-        return all(p.grad is None for p in self._params)
-
-    def _bind_accumulators(self, fresh, zero=True):
-        """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
-        then adds into it in place). Returns the (parameter, accumulator) pairs whose ``.grad``
-        someone else allocated; those accumulators are zeroed too. ``fresh``: ``_fresh()``, the
-        start of an update. ``zero=False``: at the start of an update the accumulators are left
-        as they are (a backward graph that overwrites them follows)."""
-        foreign = []
-        if fresh:
-            if zero:
-                for flat in self._flats:
-                    flat.zero_()
-            grad_buckets.mark_all_reduced(self._flats, False)
-            for p, acc in zip(self._params, self._accumulators):
-                p.grad = acc
-            return foreign
-        for p, acc in zip(self._params, self._accumulators):
-            if p.grad is None:
-                acc.zero_()
-                p.grad = acc
-            elif p.grad.data_ptr() != acc.data_ptr():  # a .grad someone else allocated
-                acc.zero_()
-                foreign.append((p, acc))
-        return foreign
 
     def _start_accumulating(self):
         """Updates have several micro-batches (--update-freq): from now on backward graphs add
@@ -468,24 +396,10 @@ class CudaGraphedLoss:
         if self._model_ref is not None:
             raise ValueError("--ls-cuda-graphs: one criterion trains one model")
         self._model_ref = weakref.ref(model)
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        by_dtype = collections.OrderedDict()
-        for p in self._params:
-            by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        self._flats, views, spans = [], {}, {}
-        for (dtype, device), ps in by_dtype.items():
-            offsets, total = [], 0
-            for p in ps:
-                offsets.append(total)
-                total += (p.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            for p, off in zip(ps, offsets):
-                views[id(p)] = flat[off:off + p.numel()].view_as(p)
-                spans[id(p)] = (len(self._flats), off, p.numel())
-            self._flats.append(flat)
-        self._accumulators = [views[id(p)] for p in self._params]
+        self.flat_gradients = FlatGradients(p for p in model.parameters() if p.requires_grad)
+        register(model, self.flat_gradients)
         bucket_bytes = self.bucket_mb * 2**20 if self.bucket_mb > 0 else float("inf")
-        self._buckets = grad_buckets.GradBuckets(self._flats, [spans[id(p)] for p in self._params],
+        self._buckets = grad_buckets.GradBuckets(self._flats, self.flat_gradients.spans,
                                                  bucket_bytes)
         self._anchor = torch.zeros((), device=self._params[0].device, requires_grad=True)
 
@@ -666,8 +580,8 @@ class CudaGraphedLoss:
     def _replay_backward(self, graphs, grad):
         self._pending = None
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
-        fresh = self._fresh()
-        foreign = self._bind_accumulators(fresh, zero=not graphs.overwrites)
+        fresh = self.flat_gradients.fresh()
+        foreign = self.flat_gradients.bind(fresh, zero=not graphs.overwrites)
         if graphs.overwrites and not fresh:
             # a later micro-batch of an update: this graph would overwrite the earlier ones' sum
             earlier = [flat.clone() for flat in self._flats]

@@ -1,0 +1,212 @@
+"""The import graph of the ls_fairseq package, read from the source with ``ast`` (nothing is
+imported): no cycle, and no arrow from a lower layer up to a higher one.
+
+Every ``import`` / ``from ... import`` counts, at module level or inside a function (a lazy import
+is still a dependency; it only moves the failure to the first call). An edge goes to the module
+that is named: ``from .x import f`` -> ``<package>.x``; ``from . import x`` -> ``<package>.x`` when
+``x`` is a module, else the package itself (its ``__init__``). The parent packages that Python
+imports on the way are not edges (otherwise every module would form a cycle with its package's
+``__init__``).
+
+Layers, lowest first (``ls_fairseq/ops/README.md`` for ops' own convention):
+
+* ``ops`` (the fused ops and their bindings) imports nothing from ``modules``, ``models``,
+  ``criterions``, ``optim`` or ``graphs``;
+* ``modules`` (the layers) imports nothing from ``models``, ``criterions`` or ``optim``;
+* ``graphs`` (CUDA graph capture; the package may not exist) imports nothing from
+  ``criterions``, ``optim`` or ``models``.
+
+Run as a script (``python tests/test_import_graph.py``) it prints the cycles and upward arrows.
+"""
+import ast
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "ls_fairseq"
+
+#: layer -> the subpackages of ls_fairseq it must not import
+FORBIDDEN = {
+    "ops": ("modules", "models", "criterions", "optim", "graphs"),
+    "modules": ("models", "criterions", "optim"),
+    "graphs": ("criterions", "optim", "models"),
+}
+
+
+def module_files(root=ROOT, package=PACKAGE):
+    """{dotted module name: path} of every .py file in the package (``__init__`` -> package)."""
+    out = {}
+    base = os.path.join(root, package)
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join(rel)] = os.path.join(dirpath, name)
+    return out
+
+
+def _known(name, modules):
+    """The longest prefix of ``name`` that is one of ``modules`` (None: outside the package)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return None
+
+
+def imports_of(module, path, modules):
+    """The package modules ``module`` (file ``path``) imports, with the line of each import."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = os.path.basename(path) == "__init__.py"
+    package_parts = module.split(".") if is_package else module.split(".")[:-1]
+    found = {}
+
+    def add(target, line):
+        if target is not None and target != module:
+            found.setdefault(target, line)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(_known(alias.name, modules), node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                keep = len(package_parts) - (node.level - 1)
+                base_parts = package_parts[:keep] if keep > 0 else []
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if not (base == PACKAGE or base.startswith(PACKAGE + ".")):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                add(sub if sub in modules else _known(base, modules), node.lineno)
+    return found
+
+
+def import_graph(root=ROOT):
+    modules = module_files(root)
+    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+
+
+def cycles(graph):
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(graph) + 100))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(limit)
+    return sorted(out)
+
+
+def _layer(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward_arrows(graph):
+    """(importer, imported, line) for every import that breaks FORBIDDEN."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        forbidden = FORBIDDEN.get(_layer(module), ())
+        for target, line in sorted(targets.items()):
+            if _layer(target) in forbidden:
+                bad.append((module, target, line))
+    return bad
+
+
+def _describe_cycle(graph, comp):
+    members = set(comp)
+    edges = [f"{a} -> {b} (line {line})" for a in comp for b, line in sorted(graph[a].items())
+             if b in members]
+    return "cycle " + ", ".join(comp) + ":\n    " + "\n    ".join(edges)
+
+
+# ---------------------------------------------------------------- tests
+def test_graph_is_read_from_the_source():
+    graph = import_graph()
+    assert f"{PACKAGE}.ops.layer_norm" in graph and f"{PACKAGE}.ops._extension" in graph
+    # a lazy (function-level) relative import is an edge: the public op -> its binding
+    assert f"{PACKAGE}.ops._layer_norm_cuda" in graph[f"{PACKAGE}.ops.layer_norm"]
+    assert f"{PACKAGE}.ops._extension" in graph[f"{PACKAGE}.ops.layer_norm"]
+
+
+def test_cycle_finder_sees_two_file_and_function_level_cycles(tmp_path):
+    pkg = tmp_path / PACKAGE / "ops"
+    pkg.mkdir(parents=True)
+    (tmp_path / PACKAGE / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("def f():\n    from ._a_cuda import g\n    return g()\n")
+    (pkg / "_a_cuda.py").write_text("from .a import f\n")
+    (pkg / "b.py").write_text("from .. import models\n")
+    (tmp_path / PACKAGE / "models.py").write_text("")
+    graph = import_graph(str(tmp_path))
+    assert cycles(graph) == [[f"{PACKAGE}.ops._a_cuda", f"{PACKAGE}.ops.a"]]
+    assert upward_arrows(graph) == [(f"{PACKAGE}.ops.b", f"{PACKAGE}.models", 1)]
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import cycles in ls_fairseq:\n" + "\n".join(
+        _describe_cycle(graph, c) for c in found)
+
+
+def test_no_upward_import():
+    bad = upward_arrows(import_graph())
+    assert not bad, "imports against the layering (see this file's doc):\n" + "\n".join(
+        f"  {a} imports {b} (line {line})" for a, b, line in bad)
+
+
+def test_bindings_never_import_their_public_module():
+    """``ops/_<op>_cuda.py`` binds the CUDA op; the public ``ops/<op>.py`` dispatches to it and
+    owns the fallback, so the arrow goes one way only (ls_fairseq/ops/README.md)."""
+    graph = import_graph()
+    ops = f"{PACKAGE}.ops."
+    public = {m for m in graph if m.startswith(ops) and not m[len(ops):].startswith("_")}
+    bad = [(m, t) for m in graph if m.startswith(ops + "_") and m.endswith("_cuda")
+           for t in graph[m] if t in public or t == PACKAGE + ".ops"]
+    assert not bad, "bindings importing public op modules: " + ", ".join(f"{a} -> {b}" for a, b in bad)
+
+
+if __name__ == "__main__":
+    g = import_graph()
+    for comp in cycles(g):
+        print(_describe_cycle(g, comp))
+    for a, b, line in upward_arrows(g):
+        print(f"upward: {a} imports {b} (line {line})")
