@@ -4,9 +4,9 @@
   128 queries and keys, head size 16, 32, 64 or 128, fp16/bf16, sm_80+. One thread block per
   (batch, head) keeps q/k/v in shared memory and the scores, probabilities and gradients in
   tensor-core (mma.sync) registers; forward and backward are one launch each. Measured on H100
-  (docs/PERFORMANCE.md, "Session 21"): 1.35-3x less GPU time than ``efficient`` on WMT-like
+  (docs/PERFORMANCE.md, "Components"): 1.35-3x less GPU time than ``efficient`` on WMT-like
   shapes, +8% end-to-end training throughput at 8192 and 65536 tokens, same loss curve. (It is
-  the second design of this backend; session 11's first one kept the scores in shared memory
+  the second design of this backend; the first one kept the scores in shared memory
   and was no faster than ``efficient``.) Its index math is also emulated lane by lane on the CPU
   (``scripts/emulate_short_attention.py``).
 * ``efficient``: PyTorch's memory-efficient fused attention kernel (the CUTLASS kernel behind
@@ -212,7 +212,7 @@ def _padding_bias(key_padding_mask, heads: int, tq: int, dtype):
     would pad it with a copy). The rows are built once per mask tensor and dtype and kept on the
     mask itself (until it is modified in place): one encoder padding mask serves its 6 encoder
     self-attentions and the decoder's 6 cross-attentions, and each build is 3 launches and
-    ~60 us of host time (docs/PERFORMANCE.md, session 14)."""
+    ~60 us of host time (measured on an H100)."""
     b, tk = key_padding_mask.shape
     memo = getattr(key_padding_mask, "_ls_padding_bias", None)
     if memo is None or memo[0] != key_padding_mask._version:
