@@ -57,15 +57,13 @@ _NO_MASK = 0
 _CAUSAL_BOTTOM_RIGHT = 2
 
 _fakes_registered = False
-#: storage dtypes of the kernels (statistics in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supports(q, k, v) -> bool:
     """Whether the CUDA path takes q, k, v: one dtype of float16/bfloat16/float32 (shapes are
     checked by :func:`attention_cuda`, which raises on misuse; every well-formed problem has a
     backend: softmax runs what short and efficient do not)."""
-    return q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+    return q.dtype in _extension.KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
 
 
 def backend_setting() -> str:

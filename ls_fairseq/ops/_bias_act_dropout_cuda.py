@@ -18,8 +18,6 @@ import torch
 
 from . import _extension
 
-#: storage dtypes of the kernels (math in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: the activations csrc/dropout_fusions.cu implements (act_code)
 ACTIVATIONS = ("relu", "gelu")
 
@@ -27,13 +25,7 @@ ACTIVATIONS = ("relu", "gelu")
 def supports(x, bias, activation: str) -> bool:
     """Whether the kernels take these arguments: activation relu or gelu, x [..., C]
     float16/bfloat16/float32 with C > 0, bias None or C values of x's dtype (any strides)."""
-    return not (
-        activation not in ACTIVATIONS
-        or x.dtype not in SUPPORTED_DTYPES
-        or x.dim() == 0
-        or x.size(-1) == 0
-        or (bias is not None and (bias.dtype != x.dtype or bias.numel() != x.size(-1)))
-    )
+    return activation in ACTIVATIONS and _extension.rows_fit(x, bias)
 
 
 def _register():

@@ -13,21 +13,13 @@ import torch
 
 from . import _extension
 
-#: storage dtypes of the kernels (math in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supports(x, bias, residual) -> bool:
     """Whether the kernels take these tensors: x [..., C] float16/bfloat16/float32 with C > 0,
     residual of x's shape and dtype, bias None or C values of x's dtype (any strides)."""
-    return not (
-        x.dtype not in SUPPORTED_DTYPES
-        or x.dim() == 0
-        or x.size(-1) == 0
-        or residual.shape != x.shape
-        or residual.dtype != x.dtype
-        or (bias is not None and (bias.dtype != x.dtype or bias.numel() != x.size(-1)))
-    )
+    return (_extension.rows_fit(x, bias) and residual.shape == x.shape
+            and residual.dtype == x.dtype)
 
 
 def _register():

@@ -17,15 +17,13 @@ import torch
 
 from . import _extension
 
-#: storage dtypes of the kernel (math in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supports(y, bias, residual, weight, ln_bias) -> bool:
     """Whether ``bias_dropout_residual_layer_norm_fwd`` takes these tensors: one warp per row in
     16-byte vectors (C a multiple of 8 and at most 2048 for fp16/bf16; 4 and 1024 for fp32),
     contiguous and 16-byte aligned, affine parameters of y's dtype and size."""
-    if y.dtype not in SUPPORTED_DTYPES or y.dim() == 0 or residual.shape != y.shape:
+    if y.dtype not in _extension.KERNEL_DTYPES or y.dim() == 0 or residual.shape != y.shape:
         return False
     c, vec = y.size(-1), 16 // y.element_size()
     tensors = [t for t in (y, bias, residual, weight, ln_bias) if t is not None]

@@ -22,14 +22,12 @@ import torch
 from . import _extension
 
 _NO_IGNORE = -(2**63)  # ignore_index=None: no target can equal it
-#: storage dtypes of the logits (math in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supports(logits) -> bool:
     """Whether the kernels take ``logits`` [..., V]: float16/bfloat16/float32 (any strides: made
     contiguous; the targets are cast to int64)."""
-    return logits.dtype in SUPPORTED_DTYPES
+    return logits.dtype in _extension.KERNEL_DTYPES
 
 
 def _register():

@@ -20,8 +20,6 @@ import torch
 
 from . import _extension
 
-#: storage dtypes of the kernels' tables (math in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DETERMINISTIC_ENV = "LS_FAIRSEQ_DETERMINISTIC"
 
 
@@ -30,7 +28,7 @@ def supports(tokens, positions, token_weight, pos_weight) -> bool:
     C > 0, int64/int32 tokens, and positions whenever there is a 2-D positional table (cast to
     the token table's dtype)."""
     return not (
-        token_weight.dtype not in SUPPORTED_DTYPES
+        token_weight.dtype not in _extension.KERNEL_DTYPES
         or token_weight.dim() != 2
         or token_weight.size(1) == 0
         or tokens.dtype not in (torch.int64, torch.int32)

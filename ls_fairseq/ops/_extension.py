@@ -47,6 +47,17 @@ ENV_VARS = {
 #: compiler flags of the JIT build (tests/test_csrc_compiles.py compiles csrc/ with the same ones)
 #: No -std flag: torch's cpp_extension adds the standard torch itself was built with (C++20 for
 #: torch >= 2.10); forcing another one mixes ABIs (seen: TORCH_CHECK messages crashing in ostream).
+#: storage dtypes of the fused kernels (their math is float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rows_fit(x, bias=None) -> bool:
+    """Whether ``x`` [..., C] is rows of C > 0 values of a kernel dtype and ``bias`` is None or
+    C values of ``x``'s dtype: what every row-wise kernel's ``supports`` checks first."""
+    return (x.dtype in KERNEL_DTYPES and x.dim() > 0 and x.size(-1) > 0
+            and (bias is None or (bias.dtype == x.dtype and bias.numel() == x.size(-1))))
+
+
 CXX_FLAGS = ["-O3"]
 CUDA_FLAGS = ["-O3", "-lineinfo"]
 

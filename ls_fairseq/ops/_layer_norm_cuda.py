@@ -22,14 +22,12 @@ import torch
 
 from . import _extension
 
-#: storage dtypes of the kernels (math in float32)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supports(x) -> bool:
     """Whether the kernels take ``x`` [..., C]: float16/bfloat16/float32 with C > 0 (any strides,
     any number of rows; the affine parameters are cast to x's dtype)."""
-    return x.dtype in SUPPORTED_DTYPES and x.dim() > 0 and x.size(-1) > 0
+    return _extension.rows_fit(x)
 
 
 def _register():
