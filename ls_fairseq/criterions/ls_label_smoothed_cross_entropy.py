@@ -178,6 +178,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
             capture_first_sighting=first_sighting, memory=str(ls_cuda_graphs_memory),
             required=graphs == switches.ON) if use_graphs else None
+        self._flops_of = (None, None)  # (model, its TransformerFlops), see _model_flops
         # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
         self.ls_async_stats = ls_async_stats
 
@@ -263,13 +264,12 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         """The batch's model training FLOPs (``ls_fairseq.flops``: real tokens, from the
         architecture's dimensions) as a device tensor, or None for a model or task without
         them."""
-        key = id(model)
-        if getattr(self, "_flops_key", None) != key:
-            self._flops_key, self._flops = key, TransformerFlops.of_model(model)
-        src_lengths = sample["net_input"].get("src_lengths")
-        if self._flops is None or not torch.is_tensor(src_lengths):
+        if self._flops_of[0] is not model:  # the formula depends on the model's dimensions only
+            self._flops_of = (model, TransformerFlops.of_model(model))
+        flops, src_lengths = self._flops_of[1], sample["net_input"].get("src_lengths")
+        if flops is None or not torch.is_tensor(src_lengths):
             return None
-        return self._flops.of_lengths(src_lengths, sample["target"].ne(self.padding_idx).sum(1))
+        return flops.of_lengths(src_lengths, sample["target"].ne(self.padding_idx).sum(1))
 
     def _losses(self, model, sample):
         """(loss, nll_loss, n_correct, total) summed over the batch; the last two are None

@@ -322,7 +322,7 @@ class LSAdam(torch.optim.Optimizer):
         return loss
 
 
-# ---- the fused fp16 copy (FP16Optimizer built by ls_fairseq.fairseq_patches) ----------------------------------------------------
+# ---- the fused fp16 copy (FP16Optimizer built by ls_fairseq.fairseq_patches) --------------
 
 from fairseq.optim.fp16_optimizer import FP16Optimizer  # noqa: E402
 
@@ -395,13 +395,10 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if self.scaler is None:  # bf16: no scaler; a non-finite norm stops the run, as in fairseq
-            pending.book(None)
-            return
-        old_scale = self.scaler.loss_scale
-        pending.book(self.scaler)
-        if self.scaler.loss_scale != old_scale:  # zero_grad set 1 / old scale
-            self._multiply_factor *= old_scale / self.scaler.loss_scale
+        old_scale = self.scaler.loss_scale if self.scaler is not None else None
+        pending.book(self.scaler)  # bf16 (no scaler): raises on a non-finite norm, as fairseq
+        if self.scaler is not None and self.scaler.loss_scale != old_scale:
+            self._multiply_factor *= old_scale / self.scaler.loss_scale  # zero_grad set 1 / old
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         """fairseq's clip/overflow check with one host synchronisation instead of five.
