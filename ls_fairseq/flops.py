@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .wrappers import innermost
+
 #: dense (no sparsity) fp16/bf16 tensor-core peaks, TFLOP/s, by a substring of the device name
 #: (first match wins; vendors' data sheets)
 DENSE_16BIT_PEAK_TFLOPS = (
@@ -91,11 +93,7 @@ class TransformerFlops:
     def of_model(cls, model):
         """From a fairseq encoder-decoder Transformer (fairseq's ``transformer`` or
         ``ls_transformer``, possibly inside the trainer's wrappers), or None for another model."""
-        for _ in range(8):  # through the trainer's wrappers
-            inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None
-            if inner is None:
-                break
-            model = inner
+        model = innermost(model)
         cfg = getattr(model, "cfg", None)
         enc, dec = getattr(cfg, "encoder", None), getattr(cfg, "decoder", None)
         decoder = getattr(model, "decoder", None)

@@ -16,6 +16,16 @@ def find_wrapper(model, types, depth=8):
     return None
 
 
+def innermost(model, depth=8):
+    """The model inside the trainer's wrappers (the end of the ``.module`` chain)."""
+    for _ in range(depth):
+        inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
 def legacy_ddp_of(module):
     """fairseq's LegacyDistributedDataParallel (``--ddp-backend legacy_ddp``/``no_c10d``) inside
     the trainer's model wrappers, or None (also under torch DDP)."""

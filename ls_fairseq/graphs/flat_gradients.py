@@ -22,21 +22,13 @@ import weakref
 
 import torch
 
+from ..wrappers import innermost
+
 # Flat accumulator views start at multiples of this many elements (16 bytes for fp16), so the
 # vectorised optimizer and norm kernels see aligned gradients.
 ALIGN = 16
 
 _REGISTRY = weakref.WeakKeyDictionary()  # innermost model -> its FlatGradients
-
-
-def innermost(model):
-    """The model inside the trainer's wrappers (their ``module`` children)."""
-    for _ in range(8):
-        inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None
-        if inner is None:
-            return model
-        model = inner
-    return model
 
 
 def register(model, flat_gradients):

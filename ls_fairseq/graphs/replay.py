@@ -66,10 +66,10 @@ import weakref
 import torch
 
 from .. import switches
-from ..wrappers import find_wrapper, legacy_ddp_of
+from ..wrappers import find_wrapper, innermost, legacy_ddp_of
 from . import grad_buckets
 from .capture_policy import CapturePolicy
-from .flat_gradients import FlatGradients, innermost, register
+from .flat_gradients import FlatGradients, register
 from .memory import MEMORY_CHOICES, GraphMemory
 
 logger = logging.getLogger(__name__)
