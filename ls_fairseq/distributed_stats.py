@@ -31,10 +31,11 @@ With the option:
   skips it on the device instead.
 
 fairseq-train builds fairseq's ``Trainer`` by name and has no trainer registry, so replacing these
-two methods is the only way to change them short of a trainer of ls_fairseq's own. ``ls_fairseq.fairseq_patches``
-wraps both on the ``Trainer`` class when the plugin loads; the wrappers call
-:func:`aggregate_logging_outputs` / :func:`check_grad_norms`, which run fairseq's own methods
-for every trainer whose criterion does not have ``ls_async_stats`` set. Tested in tests/test_distributed_stats.py (gloo, against fairseq's
+two methods is the only way to change them short of a trainer of ls_fairseq's own.
+``ls_fairseq.fairseq_patches`` wraps both on the ``Trainer`` class when the plugin loads; the
+wrappers call :func:`aggregate_logging_outputs` / :func:`check_grad_norms`, which run fairseq's
+own methods for every trainer whose criterion does not have ``ls_async_stats`` set. Tested in
+tests/test_distributed_stats.py (gloo, against fairseq's
 ``_check_grad_norms``), tests/gpu/test_distributed_stats_cuda.py (two GPUs, against fairseq's
 ``_all_gather_list_sync``; neither wrapped method waits for the GPU) and tests/test_end_to_end.py
 (two CPU workers of fairseq-train log what one worker with update-freq 2 logs).
