@@ -1,51 +1,93 @@
 #!/usr/bin/env python3
 """Multi-GPU checks through fairseq's own distributed engine (one process per GPU, NCCL).
 
-1. Correctness: the ls_ model on N GPUs with --update-freq 1 and on 1 GPU with --update-freq N
-   see the same batches per update (fairseq shards the batch list round-robin), so with dropout 0
-   their per-update losses agree within fp16 noise; prints both curves and the largest gap.
+1. Correctness: the ls_ model (the README's command, variant ``ls``) under --correctness-backend
+   (fairseq's default, pytorch_ddp) on N GPUs with --update-freq 1 and on 1 GPU with
+   --update-freq N see the same batches per update (fairseq shards the batch list round-robin),
+   so with dropout 0 their per-update losses agree within fp16 noise; --updates (200) updates,
+   both curves and the largest gap.
 2. The N-GPU run's checkpoint resumes on 1 GPU.
-3. fairseq's other DDP backends (legacy_ddp, no_c10d) train the ls_ model on N GPUs.
-4. Scaling: wps on N GPUs / wps on 1 GPU for ls_ and the fairseq baseline (cuDNN SDPA off) at each
-   --max-tokens, all in this one call.
+3. fairseq's other DDP backends (of pytorch_ddp, legacy_ddp, no_c10d) train the ls_ model on N
+   GPUs.
+4. Scaling by wall clock over whole epochs: each (--max-tokens per GPU, variant, ddp-backend) on
+   1 and N GPUs runs --scaling-epochs whole epochs; its throughput is the target tokens of the
+   epochs (fairseq's end-of-epoch wpb x updates, summed over the GPUs) over the wall-clock time
+   between their ends: epoch 1 (warm-up, CUDA-graph captures) on its own, epochs 2..last as
+   "steady". Also per configuration: updates per epoch (a warning under 200), fairseq's own
+   interval wps, and each rank's peak reserved and used device memory; the ratios N GPUs / 1 GPU
+   and ls_ / best baseline at the same GPU count. Default variants: the fairseq baseline with and
+   without cuDNN attention and ls_, all under pytorch_ddp.
 
-    python bench/multi_gpu.py --gpus 2 --max-tokens 8192 16384 --markdown $OUT/multi_gpu.md
-    (--skip-correctness: only step 4; --skip-scaling: only steps 1-3)
+    # 1-3 (correctness, resume, backends), on a 2-GPU machine
+    python bench/multi_gpu.py --gpus 2 --skip-scaling --json $OUT/multi_gpu_correctness.json \
+        --markdown $OUT/multi_gpu_correctness.md
+    # 4 (scaling): 200k pairs give >= 200 updates per epoch on 2 GPUs at 16384 tokens per GPU
+    python bench/multi_gpu.py --gpus 2 --skip-correctness --sentences 200000 \
+        --max-tokens 8192 16384 --json $OUT/multi_gpu_scaling.json --markdown $OUT/multi_gpu.md
 
+--json holds every figure as data (the rows of docs/results/): device, date, commit
+(LS_BENCH_COMMIT, else git), the command line, the correctness curves and each scaling row.
 Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
 """
 import argparse
+import datetime
 import functools
 import json
+import math
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
 import e2e
 import profile_summary
+from ls_fairseq.cli.compare.metrics import FULL_EPOCH
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
 LOG_DIR = os.environ.get("OUT", "/tmp")
+MIN_UPDATES_PER_EPOCH = 200  # issue 37: fewer, and the epoch boundary's cost weighs too much
 
 
 def losses(log):
     return [(int(s["num_updates"]), float(s["loss"])) for s in e2e.parse_log(log)[0]]
 
 
+def largest_gap(a, b):
+    """(largest |loss a - loss b|, its update) over the updates both curves logged; (nan, None)
+    where they share none."""
+    other = dict(b)
+    gaps = [(abs(loss - other[u]), u) for u, loss in a if u in other]
+    return max(gaps) if gaps else (float("nan"), None)
+
+
 def max_gap(a, b):
-    pairs = list(zip(a, b))
-    return max(abs(x[1] - y[1]) for x, y in pairs) if pairs else float("nan")
+    return largest_gap(a, b)[0]
+
+
+def _finite(x):
+    """x, or None for nan (the JSON file stays standard JSON)."""
+    return None if x is None or math.isnan(x) else x
+
+
+# Runs fairseq-train in this interpreter and nothing else: the sitecustomize below does the
+# measuring in every process (e2e.WRAPPER would also query the GPU in the parent of the ranks).
+WRAPPER = """\
+import sys
+from fairseq_cli.train import cli_main
+sys.argv[0] = "fairseq-train"
+cli_main()
+"""
 
 
 @functools.lru_cache(maxsize=None)
 def _sitecustomize_dir():
-    """fairseq starts one process per GPU (torch.multiprocessing.spawn): e2e's wrapper, which
-    switches cuDNN SDPA off and installs the profiler, runs in the parent only. A sitecustomize
-    on PYTHONPATH does both in every process."""
+    """fairseq starts one process per GPU (torch.multiprocessing.spawn): a wrapper runs in the
+    parent only. A sitecustomize on PYTHONPATH runs in every process."""
     d = "/tmp/mg_site"
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "sitecustomize.py"), "w") as f:
@@ -53,16 +95,85 @@ def _sitecustomize_dir():
     return d
 
 
-_SITECUSTOMIZE = """\
+_SITECUSTOMIZE = r'''
 import os, sys
-if os.environ.get('BENCH_CUDNN_SDPA') == '0':
+if os.environ.get("BENCH_CUDNN_SDPA") == "0":
     import torch
     torch.backends.cuda.enable_cudnn_sdp(False)
-if os.environ.get('BENCH_PROFILE_AT'):
-    sys.path.insert(0, os.environ['BENCH_HERE'])
+if os.environ.get("BENCH_PROFILE_AT"):
+    sys.path.insert(0, os.environ["BENCH_HERE"])
     import profile_summary
     profile_summary.install_from_env()
-"""
+
+
+def _bench_rank():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# BENCH_HELD_MEMORY=1: what each rank holds on its GPU, the figures of e2e.WRAPPER (which sees
+# one process): the allocator's reserved memory and the device's used memory (total - free: also
+# the CUDA context, the graphs, NCCL's buffers), sampled every 10th time fairseq resets its peak
+# counter (once per update); one line per rank at exit. The parent of spawned ranks never
+# samples and prints nothing.
+if os.environ.get("BENCH_HELD_MEMORY") == "1":
+    import atexit, torch
+    _held = {"calls": 0, "rank": 0, "reserved": 0, "used": 0}
+    _reset_peak = torch.cuda.reset_peak_memory_stats
+
+    def _reset_peak_and_sample(*a, **k):
+        _held["calls"] += 1
+        if _held["calls"] % 10 == 1:
+            free, total = torch.cuda.mem_get_info()
+            _held["reserved"] = max(_held["reserved"], torch.cuda.memory_reserved())
+            _held["used"] = max(_held["used"], total - free)
+            _held["rank"] = _bench_rank()
+        return _reset_peak(*a, **k)
+
+    torch.cuda.reset_peak_memory_stats = _reset_peak_and_sample
+
+    def _print_held():
+        if _held["calls"]:
+            print(f"BENCH_RANK_MEMORY rank={_held['rank']} reserved_max={_held['reserved']} "
+                  f"used_max={_held['used']}", flush=True)
+
+    atexit.register(_print_held)
+
+# BENCH_EPOCH_STAMPS=1: the host clock at each end of epoch (fairseq_cli.train resets the "train"
+# meters right after logging the epoch's stats), where fairseq's "wall" field has whole seconds.
+# fairseq.logging.metrics is patched as it is imported.
+if os.environ.get("BENCH_EPOCH_STAMPS") == "1":
+    import importlib.abc, importlib.util, time
+
+    def _stamp_epoch_ends(metrics):
+        reset = metrics.reset_meters
+
+        def reset_meters(name):
+            if name == "train":
+                print(f"BENCH_EPOCH_END rank={_bench_rank()} {time.perf_counter()!r}", flush=True)
+            return reset(name)
+
+        metrics.reset_meters = reset_meters
+
+    class _PatchMetricsOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "fairseq.logging.metrics":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _stamp_epoch_ends(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _PatchMetricsOnImport())
+'''
 
 
 def corpus(sentences, workers, workdir=None):
@@ -74,33 +185,274 @@ def corpus(sentences, workers, workdir=None):
     return e2e.preprocess(workdir, workers)
 
 
+KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training")
+
+
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
           backend="pytorch_ddp", env_extra=None, epochs=100):
-    cmd = e2e.train_cmd(data, variant, max_tokens, epochs, 1, list(extra))
+    cmd = e2e.train_cmd(data, variant, max_tokens, epochs, 1, list(extra), wrapper=WRAPPER)
     cmd.remove("--no-save")  # train_cmd's own; a caller that wants no checkpoints passes it
     cmd += ["--distributed-world-size", str(gpus), "--update-freq", str(update_freq),
             "--save-dir", save_dir, "--no-epoch-checkpoints", "--ddp-backend", backend]
     if updates:
         cmd += ["--max-update", str(updates)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
-               BENCH_CUDNN_SDPA="1" if e2e.VARIANTS[variant]["cudnn_sdpa"] else "0",
-               BENCH_HERE=e2e.HERE, PYTHONUNBUFFERED="1", LS_FAIRSEQ_KERNELS="require")
+    env = e2e.train_env(variant)
+    env.update(CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
+               BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
     env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = proc.stdout + proc.stderr
     with open(os.path.join(save_dir, "train.log"), "w") as f:
         f.write(log)
-    # keep every run's stats lines and the end of its log with the results (the device returns
-    # $OUT only): the figures can be recomputed from them if the call is cut short
+    # keep every run's stats lines, stamps and the end of its log with the results (the device
+    # returns $OUT only): the figures can be recomputed from them if the call is cut short
     with open(os.path.join(LOG_DIR, "multi_gpu_runs.log"), "a") as f:
         f.write(f"\n===== {' '.join(cmd[3:])} gpus={gpus} rc={proc.returncode}\n")
         lines = [l for l in log.splitlines() if "Warning" not in l]
-        stats = [l for l in lines[:-40] if e2e.STATS_LINE.search(l)]
+        stats = [l for l in lines[:-40] if e2e.STATS_LINE.search(l) or KEEP.search(l)]
         f.write("\n".join(stats + lines[-40:])[-200000:])
     if proc.returncode != 0:
         raise RuntimeError(log[-3000:])
     return log
+
+
+# --------------------------------------------------------------------------------------------
+# what a run's log says
+# --------------------------------------------------------------------------------------------
+
+EPOCH_END = re.compile(r"^BENCH_EPOCH_END rank=(\d+) ([0-9.e+-]+)\s*$", re.M)
+RANK_MEMORY = re.compile(r"^BENCH_RANK_MEMORY rank=(\d+) reserved_max=(\d+) used_max=(\d+)\s*$",
+                         re.M)
+
+
+def epoch_ends(log):
+    """The host clock (s) at each end of epoch of the lowest rank that stamped (rank 0: the rank
+    that logs fairseq's stats), in order."""
+    stamps = [(int(r), float(t)) for r, t in EPOCH_END.findall(log)]
+    first = min((r for r, _ in stamps), default=None)
+    return [t for r, t in stamps if r == first]
+
+
+def rank_memory(log):
+    """Each rank's peak reserved and used device memory (bytes), by rank."""
+    found = {int(r): (int(res), int(used)) for r, res, used in RANK_MEMORY.findall(log)}
+    return [{"rank": r, "reserved_max_bytes": res, "used_max_bytes": used}
+            for r, (res, used) in sorted(found.items())]
+
+
+def epoch_wps(log):
+    """Throughput by wall clock over whole epochs, from fairseq's end-of-epoch stats lines ("end
+    of epoch N (average epoch stats below)", then ``train_*`` stats): an epoch's target tokens
+    are its wpb x its updates (on N GPUs fairseq aggregates the stats over the workers, so wpb
+    is the sum over the GPUs). Epoch 1 lasts from the trainer's start (fairseq's ``wall`` field:
+    whole seconds) to its end; "steady" is epochs 2..last over the time between the ends of
+    epoch 1 and of the last, from the sitecustomize's stamps where there is one per epoch line,
+    else from the ``wall`` fields. A last epoch cut short by --max-update is left out."""
+    _, epochs, _, _ = e2e.parse_log(log)
+    rows, before = [], 0
+    for e in sorted(epochs):
+        s = epochs[e]
+        updates = int(s["num_updates"]) - before
+        before = int(s["num_updates"])
+        rows.append({"epoch": e, "updates": updates, "tokens": float(s["wpb"]) * updates,
+                     "wall": float(s["wall"]), "wps": float(s["wps"])})
+    ends = epoch_ends(log)
+    stamped = len(ends) == len(rows) and len(rows) > 0
+    complete = list(rows)
+    if ("Stopping training due to" in log and len(rows) > 1
+            and rows[-1]["updates"] < FULL_EPOCH * max(r["updates"] for r in rows[:-1])):
+        complete.pop()
+    walls = [r["wall"] for r in rows]
+    clock = ends if stamped else walls
+    wall_s = [walls[0]] + [b - a for a, b in zip(clock, clock[1:])] if rows else []
+    out = {"epochs_logged": len(rows), "epochs_complete": len(complete),
+           "updates_by_epoch": [r["updates"] for r in rows],
+           "tokens_by_epoch": [r["tokens"] for r in rows],
+           "wall_by_epoch_s": wall_s,
+           "wall_source": "epoch-end stamps" if stamped else "fairseq wall field",
+           "wps_by_epoch_fairseq": [r["wps"] for r in rows],
+           "updates_per_epoch": min((r["updates"] for r in complete), default=None),
+           "epochs_steady": [r["epoch"] for r in complete[1:]],
+           "wps_epoch1_wall": None, "wps_steady_wall": None,
+           "tokens_steady": None, "wall_steady_s": None}
+    if complete and complete[0]["epoch"] == 1 and walls[0] > 0:
+        out["wps_epoch1_wall"] = rows[0]["tokens"] / walls[0]
+    if len(complete) > 1 and complete[0]["epoch"] == 1:
+        last = len(complete) - 1
+        out["tokens_steady"] = sum(r["tokens"] for r in complete[1:])
+        out["wall_steady_s"] = clock[last] - clock[0]
+        if out["wall_steady_s"] > 0:
+            out["wps_steady_wall"] = out["tokens_steady"] / out["wall_steady_s"]
+    return out
+
+
+def steady_wps(log):
+    """Tokens/s over the logged intervals in the second half of a run (e2e.time_weighted_wps),
+    leaving out each interval that spans an epoch boundary: that interval carries the
+    end-of-epoch work (iterator and data-loader restart, ~3 s) and falls at a different place in
+    the 1- and N-GPU runs (N GPUs finish an epoch in 1/N of the updates), so keeping it would
+    bias the ratio. fairseq's interval meters: kept beside the wall-clock figures."""
+    rows, after_epoch = [], False
+    for kind, stats in e2e.log_records(log):
+        if kind == "train":
+            after_epoch = True
+            continue
+        if not after_epoch:
+            rows.append(stats)
+        after_epoch = False
+    steady = rows[len(rows) // 2:]
+    return e2e.time_weighted_wps(steady) if steady else float("nan")
+
+
+def scaling_row(log, max_tokens, variant, backend, gpus, epochs, error=None):
+    """One scaling configuration as data (the JSON row; add_ratios fills in the ratios)."""
+    row = {"max_tokens": max_tokens, "variant": variant, "ddp_backend": backend, "gpus": gpus,
+           "update_freq": 1, "epochs_run": epochs}
+    if error:
+        row["error"] = error
+        return row
+    row.update(epoch_wps(log))
+    interval = steady_wps(log)
+    row["wps_interval_fairseq"] = _finite(interval)
+    row["memory_by_rank"] = rank_memory(log)
+    return row
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def add_ratios(rows):
+    """scaling_*: an N-GPU row over the 1-GPU row of its max-tokens, variant and backend;
+    ls_over_best_baseline_*: an ls_ row over the fastest baseline row (any variant and backend)
+    of its max-tokens and GPU count; for epoch 1 and steady. tokens_per_epoch_vs_1gpu: the N-GPU
+    run's target tokens per epoch over the 1-GPU run's (the same corpus: 1 where the N-GPU wpb
+    is the sum over the GPUs)."""
+    ok = [r for r in rows if not r.get("error")]
+    for r in ok:
+        one = next((o for o in ok if o["gpus"] == 1 and r["gpus"] > 1 and (
+            o["max_tokens"], o["variant"], o["ddp_backend"]) == (
+            r["max_tokens"], r["variant"], r["ddp_backend"])), None)
+        for key in ("epoch1", "steady"):
+            wps = f"wps_{key}_wall"
+            r[f"scaling_{key}"] = _ratio(r[wps], one[wps]) if one else None
+            bases = [o for o in ok if o["variant"].startswith("baseline") and o[wps]
+                     and (o["max_tokens"], o["gpus"]) == (r["max_tokens"], r["gpus"])]
+            best = max(bases, key=lambda o: o[wps], default=None)
+            is_ls = r["variant"].startswith("ls") and best is not None
+            r[f"best_baseline_{key}"] = best["variant"] if is_ls else None
+            r[f"ls_over_best_baseline_{key}"] = _ratio(r[wps], best[wps]) if is_ls else None
+        r["tokens_per_epoch_vs_1gpu"] = None
+        if one and r["epochs_complete"] and one["epochs_complete"]:
+            mean = [sum(x["tokens_by_epoch"][:x["epochs_complete"]]) / x["epochs_complete"]
+                    for x in (r, one)]
+            r["tokens_per_epoch_vs_1gpu"] = _ratio(*mean)
+    return rows
+
+
+def row_warnings(row):
+    name = (f"{row['variant']} ({row['ddp_backend']}), {row['gpus']} GPU(s), max-tokens "
+            f"{row['max_tokens']}")
+    if row.get("error"):
+        return [f"WARNING: {name}: FAILED"]
+    out = []
+    n = row.get("updates_per_epoch")
+    if n is None or n < MIN_UPDATES_PER_EPOCH:
+        out.append(f"WARNING: {name}: {e2e.fmt(n, 'd')} updates per epoch, under the "
+                   f"{MIN_UPDATES_PER_EPOCH} the issue asks for (a larger --sentences)")
+    if not row.get("epochs_steady"):
+        out.append(f"WARNING: {name}: no complete epoch after the first (no steady figure)")
+    ratio = row.get("tokens_per_epoch_vs_1gpu")
+    if ratio is not None and abs(ratio - 1) > 0.05:
+        out.append(f"WARNING: {name}: {ratio:.3f}x the 1-GPU run's target tokens per epoch (not "
+                   f"the sum over the GPUs?)")
+    return out
+
+
+def _held_gb(row):
+    return "; ".join(f"r{m['rank']} {m['reserved_max_bytes'] / 2**30:.1f} / "
+                     f"{m['used_max_bytes'] / 2**30:.1f}" for m in row.get("memory_by_rank", []))
+
+
+def _ratios(row, key):
+    steady, first = row.get(f"{key}_steady"), row.get(f"{key}_epoch1")
+    if steady is None and first is None:
+        return ""
+    return f"{e2e.fmt(steady, '.2f')}× ({e2e.fmt(first, '.2f')}×)"
+
+
+def scaling_markdown(rows):
+    lines = ["Scaling by wall clock over whole epochs: target tokens (fairseq's wpb x updates, "
+             "summed over the GPUs) / seconds between epoch ends; epoch 1 from the trainer's "
+             "start, steady = epochs 2..last. Ratios: steady (epoch 1). Held memory: each rank's "
+             "peak torch.cuda.memory_reserved() / device memory used (total - free), GB.", "",
+             "| max-tokens per GPU | variant | ddp-backend | GPUs | updates/epoch | "
+             "steady epochs | wps epoch 1 | wps steady | scaling vs 1 GPU | ls_/best baseline | "
+             "fairseq interval wps | held GB per rank: reserved / used |",
+             "|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        head = f"| {r['max_tokens']} | {r['variant']} | {r['ddp_backend']} | {r['gpus']} |"
+        if r.get("error"):
+            lines.append(f"{head} FAILED: {r['error'][-60:]!r} | | | | | | | |")
+            continue
+        steady = r["epochs_steady"]
+        epochs = "–" if not steady else (
+            str(steady[0]) if len(steady) == 1 else f"{steady[0]}–{steady[-1]}")
+        lines.append(
+            f"{head} {e2e.fmt(r['updates_per_epoch'], 'd')} | {epochs} | "
+            f"{e2e.fmt(r['wps_epoch1_wall'], ',.0f')} | {e2e.fmt(r['wps_steady_wall'], ',.0f')} | "
+            f"{_ratios(r, 'scaling')} | {_ratios(r, 'ls_over_best_baseline')} | "
+            f"{e2e.fmt(r['wps_interval_fairseq'], ',.0f')} | {_held_gb(r)} |")
+    warnings = [w for r in rows for w in row_warnings(r)]
+    return "\n".join(lines + ([""] + warnings if warnings else []))
+
+
+# --------------------------------------------------------------------------------------------
+# the call: device, commit, command; the results file
+# --------------------------------------------------------------------------------------------
+
+def gpu_names():
+    """The GPUs' names from nvidia-smi, else from torch in a subprocess (this process holds no
+    CUDA context while the runs measure memory), else ["cpu"]."""
+    for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                [sys.executable, "-c", "import torch\nfor i in range(torch.cuda.device_count()):"
+                                       " print(torch.cuda.get_device_name(i))"]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        names = [l.strip() for l in out.splitlines() if l.strip()]
+        if names:
+            return names
+    return ["cpu"]
+
+
+def commit():
+    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
+    if os.environ.get("LS_BENCH_COMMIT"):
+        return os.environ["LS_BENCH_COMMIT"]
+    try:
+        git = subprocess.run(["git", "-C", e2e.ROOT, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        git = ""
+    return (git or "unknown") + (" (from git, not LS_BENCH_COMMIT: on the device the tree's git "
+                                 "state may be stale)")
+
+
+def run_info(argv):
+    import torch
+
+    names = gpu_names()
+    return {"device": names[0], "devices": names, "date": str(datetime.date.today()),
+            "commit": commit(), "torch": torch.__version__,
+            "command": "python bench/multi_gpu.py " + shlex.join(argv)}
+
+
+def write_json(path, info, results):
+    with open(path, "w") as f:
+        json.dump(dict(info, **results), f, indent=1)
 
 
 def main():
@@ -110,22 +462,22 @@ def main():
                     help="corpus directory (default /tmp/ls_bench_e2e, or ..._<sentences> for "
                          "another --sentences)")
     ap.add_argument("--sentences", type=int, default=40000,
-                    help="training pairs of the synthetic corpus: more pairs, longer epochs (fewer "
-                         "epoch boundaries inside the measured updates)")
+                    help="training pairs of the synthetic corpus: more pairs, longer epochs (the "
+                         "scaling step wants >= 200 updates per epoch on N GPUs: 200000 at 16384 "
+                         "tokens per GPU on 2 GPUs)")
     ap.add_argument("--workers", type=int, default=8, help="fairseq-preprocess workers")
-    ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
-    ap.add_argument("--updates", type=int, default=100)
-    ap.add_argument("--scaling-updates", type=int, default=120)
-    ap.add_argument("--scaling-epochs", type=int, default=None,
-                    help="run each scaling point this many epochs (log interval 5) instead of "
-                         "--scaling-updates updates: on a small corpus (--sentences 10000) every "
-                         "batch recurs often enough on each GPU for --ls-cuda-graphs to replay it, "
-                         "as batch shapes recur within an epoch of a WMT14-sized corpus; the "
-                         "second half of the run is measured")
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192],
+                    help="per GPU; the correctness step uses the first")
+    ap.add_argument("--updates", type=int, default=200,
+                    help="updates of the correctness runs (the issue asks for >= 200)")
+    ap.add_argument("--correctness-backend", default="pytorch_ddp",
+                    help="--ddp-backend of the correctness and resume runs (fairseq's default)")
+    ap.add_argument("--scaling-epochs", type=int, default=2,
+                    help="whole epochs per scaling run: epoch 1, then the steady epochs 2..last")
     ap.add_argument("--scaling-variants",
-                    default="baseline_nocudnn:pytorch_ddp,ls:pytorch_ddp,ls_graphs:legacy_ddp",
+                    default="baseline:pytorch_ddp,baseline_nocudnn:pytorch_ddp,ls:pytorch_ddp",
                     help="variant:ddp-backend[:epochs] (bench/e2e.py's variants; epochs overrides "
-                         "--scaling-epochs, e.g. fewer for a variant without graphs)")
+                         "--scaling-epochs for that variant)")
     ap.add_argument("--graphs-check", action="store_true",
                     help="a graphed variant (--graphs-check-variant) under legacy_ddp: N GPUs x "
                          "update-freq 1 vs 1 GPU x update-freq N, dropout 0, on a 4k-pair corpus "
@@ -146,22 +498,45 @@ def main():
                          "replay, and inside an epoch (an epoch boundary adds ~3 s)")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--markdown", default=None)
+    ap.add_argument("--json", default=None,
+                    help="every figure as data: device, date, commit, command, the correctness "
+                         "curves and gaps, each scaling row (written again after each run)")
     args = ap.parse_args()
+    info = run_info(sys.argv[1:])
+    print(f"Device: {', '.join(info['devices'])}; commit: {info['commit']}", flush=True)
     data = corpus(args.sentences, args.workers, args.workdir)
-    out = []
+    out, results = [], {"gpus": args.gpus, "sentences": args.sentences, "correctness": None,
+                        "graphs_check": None, "scaling": None}
+
+    def save():
+        if args.json:
+            write_json(args.json, info, results)
 
     if not args.skip_correctness:
-        out += correctness(data, args)
-        print("\n".join(out), flush=True)
+        text, results["correctness"] = correctness(data, args)
+        out.append(text)
+        save()
+        print(text, flush=True)
     if args.graphs_check:
-        out.append(graphs_check(args))
-        print(out[-1], flush=True)
+        text, results["graphs_check"] = graphs_check(args)
+        out.append(text)
+        save()
+        print(text, flush=True)
     if args.profile:
         out.append(profiles(data, args))
         print(out[-1], flush=True)
     if not args.skip_scaling:
-        out.append(scaling(data, args))
-    text = "\n\n".join(out)
+        def partial(rows):
+            results["scaling"] = {"epochs": args.scaling_epochs, "rows": add_ratios(rows)}
+            save()
+
+        rows = scaling(data, args, partial)
+        partial(rows)
+        out.append(scaling_markdown(rows))
+    header = (f"Device: {args.gpus}x {info['device']} ({', '.join(info['devices'])}); date: "
+              f"{info['date']}; commit: {info['commit']}; torch {info['torch']}\n\n"
+              f"Command: `{info['command']}`")
+    text = "\n\n".join([header] + out)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
@@ -169,45 +544,61 @@ def main():
 
 
 def correctness(data, args):
+    """Steps 1-3: (the text, the figures as data)."""
     out = []
+    backend = args.correctness_backend
     # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
     multi_dir, single_dir = "/tmp/mg_multi", "/tmp/mg_single"
     for d in (multi_dir, single_dir):
-        os.makedirs(d, exist_ok=True)
+        # an earlier call's checkpoint_last.pt would be resumed instead of training from scratch
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
     mt = args.max_tokens[0]
-    multi = losses(train(data, "ls", mt, args.gpus, 1, args.updates, multi_dir, nodrop))
-    single = losses(train(data, "ls", mt, 1, args.gpus, args.updates, single_dir, nodrop))
-    gap = max_gap(multi, single)
-    out.append(f"Correctness ({args.gpus} GPUs x update-freq 1 vs 1 GPU x update-freq {args.gpus}, "
-               f"ls_, max-tokens {mt}, dropout 0, {args.updates} updates): largest loss gap {gap:.4f}")
+    multi = losses(train(data, "ls", mt, args.gpus, 1, args.updates, multi_dir, nodrop, backend))
+    single = losses(train(data, "ls", mt, 1, args.gpus, args.updates, single_dir, nodrop,
+                          backend))
+    gap, at = largest_gap(multi, single)
+    out.append(f"Correctness ({args.gpus} GPUs x update-freq 1 vs 1 GPU x update-freq "
+               f"{args.gpus}, ls_, --ddp-backend {backend}, max-tokens {mt}, dropout 0, "
+               f"{args.updates} updates): largest loss gap {gap:.4f} (update {at})")
     out.append("updates: " + " ".join(str(u) for u, _ in multi))
     out.append(f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi))
     out.append("loss 1 GPU:   " + " ".join(f"{l:.3f}" for _, l in single))
-    resumed = train(data, "ls", mt, 1, args.gpus, args.updates + 10, multi_dir, nodrop)
+    resumed = train(data, "ls", mt, 1, args.gpus, args.updates + 10, multi_dir, nodrop, backend)
     ok = re.search(r"Loaded checkpoint .*@ %d updates" % args.updates, resumed) is not None
     out.append(f"{args.gpus}-GPU checkpoint resumed on 1 GPU: {'yes' if ok else 'NO'}")
+    data_out = {"variant": "ls", "ddp_backend": backend, "gpus": args.gpus, "max_tokens": mt,
+                "updates": args.updates, "dropout": 0, "loss_n_gpus": multi,
+                "loss_1_gpu_update_freq_n": single, "largest_gap": _finite(gap),
+                "largest_gap_update": at, "resumed_on_1_gpu": ok, "other_backends": []}
 
     # 3: the other DDP backends
-    for backend in ("legacy_ddp", "no_c10d"):
-        d = f"/tmp/mg_{backend}"
+    for other in [b for b in ("pytorch_ddp", "legacy_ddp", "no_c10d") if b != backend]:
+        d = f"/tmp/mg_{other}"
         os.makedirs(d, exist_ok=True)
         try:
-            curve = losses(train(data, "ls", mt, args.gpus, 1, 30, d, nodrop + ["--no-save"], backend))
+            curve = losses(train(data, "ls", mt, args.gpus, 1, 30, d, nodrop + ["--no-save"],
+                                 other))
             gap = max_gap(curve, multi)
-            last = f"loss at {curve[-1][0]} updates {curve[-1][1]:.3f}" if curve else "no loss logged"
-            out.append(f"--ddp-backend {backend}, {args.gpus} GPUs, 30 updates: trains; {last} "
-                       f"(largest gap to pytorch_ddp {gap:.4f})")
+            last = (f"loss at {curve[-1][0]} updates {curve[-1][1]:.3f}" if curve
+                    else "no loss logged")
+            out.append(f"--ddp-backend {other}, {args.gpus} GPUs, 30 updates: trains; {last} "
+                       f"(largest gap to {backend} {gap:.4f})")
+            data_out["other_backends"].append({"ddp_backend": other, "trains": True,
+                                               "loss": curve, "largest_gap": _finite(gap)})
         except (RuntimeError, IndexError) as e:
-            out.append(f"--ddp-backend {backend}: FAILED: {str(e)[-300:]!r}")
-    return ["\n".join(out)]
+            out.append(f"--ddp-backend {other}: FAILED: {str(e)[-300:]!r}")
+            data_out["other_backends"].append({"ddp_backend": other, "trains": False,
+                                               "error": str(e)[-300:]})
+    return "\n".join(out), data_out
 
 
 def graphs_check(args, sentences=4000, updates=100):
     """The CUDA-graphed step under legacy_ddp: the N-GPU run (flat all-reduce of the replayed
     gradients, ls_adam) and the 1-GPU run with update-freq N see the same batches per update;
     with dropout 0 their losses agree within fp16 noise. fairseq's trainer also checks every
-    update that the ranks' grad norms agree (it stops the run if not)."""
+    update that the ranks' grad norms agree (it stops the run if not). (the text, the data)"""
     data = corpus(sentences, args.workers)
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
               "--no-save"]
@@ -225,9 +616,10 @@ def graphs_check(args, sentences=4000, updates=100):
     # fp16 overflows (skipped updates) of each run: with --ls-deferred-overflow-check the trainer
     # counts and logs them, so runs that skip different updates differ until they are trained
     overflows = {g: log.count("gradient overflow detected") for g, log in logs.items()}
+    gap = max_gap(multi, single)
     out = [f"{args.graphs_check_variant}, --ddp-backend legacy_ddp ({args.gpus} GPUs x update-freq "
            f"1 vs 1 GPU x update-freq {args.gpus}, max-tokens {mt}, dropout 0, {updates} updates, "
-           f"{sentences}-pair corpus): largest loss gap {max_gap(multi, single):.4f}; flat "
+           f"{sentences}-pair corpus): largest loss gap {gap:.4f}; flat "
            f"all-reduce used: {'yes' if flat else 'NO'}, during the backward: "
            f"{'yes' if overlapped else 'no'}; shapes captured (rank log, last power of 2): "
            f"{captured[-1] if captured else 'none'}; fp16 overflows: {overflows[args.gpus]} "
@@ -235,25 +627,13 @@ def graphs_check(args, sentences=4000, updates=100):
            "updates: " + " ".join(str(u) for u, _ in multi),
            f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi),
            "loss 1 GPU:   " + " ".join(f"{l:.3f}" for _, l in single)]
-    return "\n".join(out)
-
-
-def steady_wps(log):
-    """Tokens/s over the logged intervals in the second half of a run (e2e.time_weighted_wps),
-    leaving out each interval that spans an epoch boundary: that interval carries the
-    end-of-epoch work (iterator and data-loader restart, ~3 s) and falls at a different place in
-    the 1- and N-GPU runs (N GPUs finish an epoch in 1/N of the updates), so keeping it would
-    bias the ratio; on WMT14 an epoch is thousands of updates."""
-    rows, after_epoch = [], False
-    for kind, stats in e2e.log_records(log):
-        if kind == "train":
-            after_epoch = True
-            continue
-        if not after_epoch:
-            rows.append(stats)
-        after_epoch = False
-    steady = rows[len(rows) // 2:]
-    return e2e.time_weighted_wps(steady) if steady else float("nan")
+    data_out = {"variant": args.graphs_check_variant, "ddp_backend": "legacy_ddp",
+                "gpus": args.gpus, "max_tokens": mt, "updates": updates, "sentences": sentences,
+                "loss_n_gpus": multi, "loss_1_gpu_update_freq_n": single,
+                "largest_gap": _finite(gap),
+                "flat_all_reduce": flat, "all_reduce_during_backward": overlapped,
+                "fp16_overflows": {str(g): n for g, n in overflows.items()}}
+    return "\n".join(out), data_out
 
 
 def profiles(data, args):
@@ -293,8 +673,9 @@ def profiles(data, args):
         s = p.get("profile") or {}
         if s.get("median_ms_per_update"):
             m = s["median_ms_per_update"]
-            head.append(f"\nMedian per update, {p['variant']}: period {m['ms']:.1f} ms = compute "
-                        f"{m['compute_ms']:.1f} + NCCL {m['nccl_ms']:.1f} + idle {m['idle_ms']:.1f}")
+            head.append(f"\nMedian per update, {p['variant']}: period {m['ms']:.1f} ms = "
+                        f"compute {m['compute_ms']:.1f} + NCCL {m['nccl_ms']:.1f} + idle "
+                        f"{m['idle_ms']:.1f}")
         if s.get("host_syncs_per_step_by_site"):
             head.append(f"\nHost syncs per update, {p['variant']}: " + "; ".join(
                 f"{site} {n:.1f}" for site, n in s["host_syncs_per_step_by_site"][:8]))
@@ -317,48 +698,46 @@ def ranks_table(name, ranks):
         waits.append(max(compute) - sum(compute) / len(compute))
         rows.append(f"| {i} | " + " | ".join(cells) + f" | {per[0][i]['ms']:.1f} |")
     if waits:
-        rows.append(f"\nUnequal batches, {name}: max - mean compute per update {sum(waits) / n:.2f} "
-                    f"ms on average over {n} updates")
+        rows.append(f"\nUnequal batches, {name}: max - mean compute per update "
+                    f"{sum(waits) / n:.2f} ms on average over {n} updates")
     return "\n".join(rows)
 
 
-def scaling(data, args):
-    """4: wps on N GPUs over wps on 1 GPU, each GPU with --max-tokens per batch (update-freq 1),
-    the mean of the logged intervals of the second half of the run (the first half warms up)."""
-    rows = ["| max-tokens | variant | ddp-backend | wps 1 GPU | wps %d GPUs | scaling |" % args.gpus,
-            "|---|---|---|---|---|---|"]
-    extra, updates, epochs = ["--no-save"], args.scaling_updates, 100
-    if args.scaling_epochs:
-        # fairseq's --fix-batches-to-gpus does not apply to translation datasets (no prefetch):
-        # each GPU sees a random half of the batches every epoch, and a graph is captured at
-        # a batch's second sighting on that GPU, so N-GPU runs need more epochs to replay
-        extra, updates, epochs = extra + ["--log-interval", "5"], None, args.scaling_epochs
-    single = {}  # (variant, backend, max-tokens) -> 1-GPU wps measured in this call
+def scaling(data, args, on_row=None):
+    """4: each --max-tokens (per GPU, update-freq 1) and --scaling-variants entry on 1 and N GPUs,
+    --scaling-epochs whole epochs each; the rows of scaling_row, in order (on_row(rows) after
+    each run). A variant with single_gpu_as (flags that matter on several GPUs only) reuses that
+    variant's 1-GPU run of this call."""
+    rows, single = [], {}  # (variant, backend, max-tokens) -> its 1-GPU row
     for mt in args.max_tokens:
         for spec in args.scaling_variants.split(","):
             variant, backend, *own = spec.split(":")
-            run_epochs = int(own[0]) if own and args.scaling_epochs else epochs
-            wps = []
+            epochs = int(own[0]) if own else args.scaling_epochs
             for gpus in (1, args.gpus):
                 same = (e2e.VARIANTS[variant].get("single_gpu_as"), backend, mt)
-                if gpus == 1 and same in single:  # multi-GPU-only flags: the same 1-GPU run
-                    wps.append(single[same])
-                    continue
-                d = f"/tmp/mg_{variant}_{backend}_{mt}_{gpus}"
-                os.makedirs(d, exist_ok=True)
-                try:
-                    log = train(data, variant, mt, gpus, 1, updates, d, extra, backend,
-                                epochs=run_epochs)
-                except RuntimeError as e:  # keep the rest of the table; the log is in $OUT
-                    print(f"{variant} {mt} tokens {gpus} GPU(s) FAILED: {str(e)[-500:]}", flush=True)
-                    log = ""
-                wps.append(steady_wps(log))
-                if gpus == 1:
-                    single[(variant, backend, mt)] = wps[0]
-            rows.append(f"| {mt} | {variant} | {backend} | {wps[0]:,.0f} | {wps[1]:,.0f} | "
-                        f"{wps[1] / wps[0]:.2f}x |")
-            print(rows[-1], flush=True)
-    return "\n".join(rows)
+                if gpus == 1 and same in single:
+                    row = dict(single[same], variant=variant, same_run_as=same[0])
+                else:
+                    d = f"/tmp/mg_{variant}_{backend}_{mt}_{gpus}"
+                    os.makedirs(d, exist_ok=True)
+                    log, error = "", None
+                    try:
+                        log = train(data, variant, mt, gpus, 1, None, d, ["--no-save"], backend,
+                                    epochs=epochs)
+                    except RuntimeError as e:  # keep the rest of the table; the log is in $OUT
+                        error = str(e)[-500:]
+                        print(f"{variant} {mt} tokens {gpus} GPU(s) FAILED: {error}", flush=True)
+                    row = scaling_row(log, mt, variant, backend, gpus, epochs, error)
+                    if gpus == 1:
+                        single[(variant, backend, mt)] = row
+                rows.append(row)
+                add_ratios(rows)
+                print(json.dumps(row), flush=True)
+                for warning in row_warnings(row):
+                    print(warning, flush=True)
+                if on_row:
+                    on_row(rows)
+    return rows
 
 
 if __name__ == "__main__":

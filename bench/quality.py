@@ -38,6 +38,12 @@ runs cost little each: the default 21 runs take about 6.5 minutes on an H100). E
 prints its JSON row at once, so a call cut short still reports what finished. Decoding uses
 fairseq-generate's own length limit (200 tokens), so a looping hypothesis counts in full.
 
+``--gpus N`` trains every run on N GPUs with fairseq's own data parallelism (one process per GPU,
+``--ddp-backend`` as fairseq's default unless given); all runs share those N GPUs, each with its
+own rendezvous port, and decoding stays on one GPU. ``--max-tokens`` is per GPU, so an update
+takes N times the tokens of a 1-GPU run: pass ``--max-tokens X/N`` to train as a 1-GPU run at X
+(the default recipe: ``--gpus 2 --max-tokens 2048``). Rows and titles record the GPU count.
+
     python bench/quality.py --json docs/results/quality.json --markdown $OUT/quality.md
 """
 import argparse
@@ -105,7 +111,24 @@ def needs_plugin(variant):
     return (v["arch"], v["criterion"], v["optimizer"]) != FAIRSEQ
 
 
-def train_cmd(a, data, variant, seed, save_dir):
+def distributed_flags(a, port):
+    """fairseq-train's data-parallel options: none for one GPU unless asked (today's command)."""
+    flags = []
+    if a.gpus > 1:
+        # fairseq-train spawns one process per GPU. On a single node its --distributed-port alone
+        # starts nothing (infer_init_method leaves the init method unset: one process, one GPU),
+        # so pass the init method fairseq would build itself, with this run's own port
+        assert port is not None, "--gpus > 1 needs a rendezvous port per run"
+        flags += ["--distributed-world-size", str(a.gpus),
+                  "--distributed-init-method", f"tcp://localhost:{port}"]
+    if a.ddp_backend:
+        flags += ["--ddp-backend", a.ddp_backend]
+    if a.update_freq:
+        flags += ["--update-freq", str(a.update_freq)]
+    return flags
+
+
+def train_cmd(a, data, variant, seed, save_dir, port=None):
     v = VARIANTS[variant]
     cmd = [
         sys.executable, "-m", "fairseq_cli.train", data, "--arch", v["arch"],
@@ -114,19 +137,21 @@ def train_cmd(a, data, variant, seed, save_dir):
         "--warmup-updates", str(a.warmup_updates), "--dropout", str(a.dropout),
         "--weight-decay", "0.0001", "--criterion", v["criterion"], "--label-smoothing", "0.1",
         "--max-tokens", str(a.max_tokens), "--max-update", str(a.max_update),
-        ("--bf16" if v.get("bf16") else "--fp16") if a.cuda else "--cpu", "--seed", str(seed), "--save-dir", save_dir,
+        ("--bf16" if v.get("bf16") else "--fp16") if a.cuda else "--cpu", "--seed", str(seed),
+        "--save-dir", save_dir,
         "--no-epoch-checkpoints", "--no-last-checkpoints", "--save-interval", "100000",
         "--validate-interval", "100000",
         "--log-format", "simple", "--log-interval", "100", "--no-progress-bar",
         "--num-workers", "0",
-    ] + MODELS[a.model]
+    ] + MODELS[a.model] + distributed_flags(a, port)
     if needs_plugin(variant):
         cmd += ["--user-dir", USER_DIR]
     return cmd + v.get("flags", [])
 
 
 def generate_cmd(a, data, variant, save_dir):
-    # fairseq-generate's own length limit (200 tokens): a looping hypothesis shows in full
+    # fairseq-generate's own length limit (200 tokens): a looping hypothesis shows in full;
+    # one GPU whatever --gpus (no distributed flags), as users decode
     cmd = [sys.executable, "-m", "fairseq_cli.generate", data, "--path",
            os.path.join(save_dir, "checkpoint_best.pt"), "--gen-subset", "test", "--beam",
            str(a.beam), "--lenpen", str(a.lenpen), "--batch-size", "128"] + (
@@ -134,6 +159,47 @@ def generate_cmd(a, data, variant, save_dir):
     if needs_plugin(variant):
         cmd += ["--user-dir", USER_DIR]
     return cmd
+
+
+def job_list(variants, seeds, port_base):
+    """(variant, seed, port) of every run, every variant's seed 1 first. The port is the run's
+    rendezvous with --gpus > 1: one of its own, since up to --jobs runs start at once."""
+    pairs = [(v, s) for s in seeds for v in variants]
+    return [(v, s, port_base + i) for i, (v, s) in enumerate(pairs)]
+
+
+def visible_gpus(n):
+    """The first n GPUs of this process's CUDA_VISIBLE_DEVICES (0..n-1 when it is unset)."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is None:
+        return [str(i) for i in range(n)]
+    return [d.strip() for d in given.split(",") if d.strip()][:n]
+
+
+def run_envs(a, variant):
+    """The environments of fairseq-train and fairseq-generate for one run."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **VARIANTS[variant].get("env", {}))
+    # plain fairseq (the baseline's decoder) loads its checkpoints only with torch's unsafe
+    # loader under torch >= 2.6; the same loader for every variant
+    gen = dict(env, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    if a.gpus > 1:
+        gpus = visible_gpus(a.gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # fairseq spawns one process per device
+        gen["CUDA_VISIBLE_DEVICES"] = gpus[0]
+    return env, gen
+
+
+def setup_text(a):
+    """How each run trains, for the title: GPUs, DDP backend, tokens per update."""
+    per_update = a.max_tokens * a.gpus * (a.update_freq or 1)
+    text = f"{a.gpus} GPU{'s' if a.gpus > 1 else ''} per run"
+    if a.gpus > 1 or a.ddp_backend:
+        text += f" (--ddp-backend {a.ddp_backend or 'fairseq default, pytorch_ddp'})"
+    text += f", {a.max_update} updates of {per_update} tokens"
+    if per_update != a.max_tokens:
+        text += f" ({a.gpus} GPU{'s' if a.gpus > 1 else ''} × {a.max_tokens}" + (
+            f" × update-freq {a.update_freq})" if a.update_freq else ")")
+    return text
 
 
 VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \| nll_loss ([0-9.]+)")
@@ -184,16 +250,21 @@ def score(hyps, refs):
                 sys_len=bleu.sys_len, ref_len=bleu.ref_len)
 
 
-def run_one(a, data, variant, seed, raw_refs, lock):
+def run_one(a, data, variant, seed, raw_refs, lock, port=None):
     name = f"{variant}_s{seed}"
     run_dir = os.path.join(a.workdir, "runs", name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    env = dict(os.environ, OMP_NUM_THREADS="1", **VARIANTS[variant].get("env", {}))
-    row = dict(variant=variant, seed=seed)
+    env, gen_env = run_envs(a, variant)
+    # the GPU count in every row: 1- and N-GPU results cannot be mixed up
+    row = dict(variant=variant, seed=seed, gpus=a.gpus)
+    if a.ddp_backend:
+        row["ddp_backend"] = a.ddp_backend
+    if a.update_freq:
+        row["update_freq"] = a.update_freq
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
-        rc = subprocess.run(train_cmd(a, data, variant, seed, run_dir), stdout=log,
+        rc = subprocess.run(train_cmd(a, data, variant, seed, run_dir, port), stdout=log,
                             stderr=subprocess.STDOUT, env=env).returncode
     row["train_s"] = round(time.time() - t0, 1)
     with open(os.path.join(run_dir, "train.log")) as f:
@@ -202,10 +273,8 @@ def run_one(a, data, variant, seed, raw_refs, lock):
         row["error"] = f"fairseq-train exit {rc} (see {run_dir}/train.log)"
     else:
         t1 = time.time()
-        # plain fairseq (the baseline's decoder) loads its checkpoints only with torch's
-        # unsafe loader under torch >= 2.6; the same loader for every variant
         gen = subprocess.run(generate_cmd(a, data, variant, run_dir), capture_output=True,
-                             text=True, env=dict(env, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"))
+                             text=True, env=gen_env)
         with open(os.path.join(run_dir, "generate.txt"), "w") as f:
             f.write(gen.stdout + gen.stderr)
         hyps, _ = parse_generate(gen.stdout)  # scored against the raw test text (no <unk>)
@@ -287,6 +356,12 @@ def cuda_available():
     return torch.cuda.is_available()
 
 
+def cuda_device_count():
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def device_name():
     try:
         import torch
@@ -308,7 +383,9 @@ def main(argv=None):
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--model", choices=sorted(MODELS), default="small")
     p.add_argument("--max-update", type=int, default=1500)
-    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="per GPU: with --gpus N an update takes N times this (2X tokens for "
+                        "--gpus 2 --max-tokens X); to train as a 1-GPU run at X, pass X/N")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-updates", type=int, default=500)
     p.add_argument("--dropout", type=float, default=0.1,
@@ -316,7 +393,22 @@ def main(argv=None):
                         "(it converges within the default updates); 0.3 for real text")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0)
-    p.add_argument("--jobs", type=int, default=11, help="runs at a time on the GPU")
+    p.add_argument("--jobs", type=int, default=11,
+                   help="runs at a time (with --gpus N, all runs share the same N GPUs)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs per training run, by fairseq's own data parallelism "
+                        "(--distributed-world-size N, one process per GPU; decoding stays on "
+                        "one GPU). --max-tokens is per GPU: to compare with 1-GPU rows at "
+                        "--max-tokens X, pass X/N")
+    p.add_argument("--ddp-backend",
+                   help="passed to fairseq-train as given (default: not passed, so fairseq's "
+                        "default, pytorch_ddp, as users get it)")
+    p.add_argument("--update-freq", type=int,
+                   help="passed to fairseq-train as given (default: not passed, i.e. 1); e.g. "
+                        "--update-freq 2 on 1 GPU trains as --gpus 2 at the same --max-tokens")
+    p.add_argument("--port-base", type=int, default=29600,
+                   help="with --gpus > 1, run i rendezvouses at tcp://localhost:PORT_BASE+i "
+                        "(change it for two benchmarks at once on one machine)")
     p.add_argument("--workdir", default="/tmp/ls_quality")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--json", help="write the rows and summary here")
@@ -325,6 +417,14 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     a.cuda = cuda_available()
+    if a.gpus < 1:
+        p.error(f"--gpus {a.gpus}: at least 1")
+    if a.gpus > 1:
+        found = cuda_device_count() if a.cuda else 0
+        if found < a.gpus:
+            p.error(f"--gpus {a.gpus}: only {found} CUDA device(s) visible (torch.cuda."
+                    f"device_count(), CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -332,6 +432,9 @@ def main(argv=None):
     if "baseline" not in variants:
         variants.insert(0, "baseline")
     seeds = [int(s) for s in a.seeds.split(",")]
+    jobs = job_list(variants, seeds, a.port_base)
+    if a.gpus > 1 and not 1024 <= a.port_base <= jobs[-1][2] <= 65535:
+        p.error(f"--port-base {a.port_base}: ports up to {jobs[-1][2]} must lie in 1024..65535")
     src, tgt = a.langs.split(",")
     os.makedirs(a.workdir, exist_ok=True)
     t0 = time.time()
@@ -357,15 +460,14 @@ def main(argv=None):
               _extension.failure_reason()[-2000:], f"{time.time() - t1:.0f}s", flush=True)
 
     lock = threading.Lock()
-    jobs = [(v, s) for s in seeds for v in variants]  # every variant's seed 1 first
     with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        rows = list(pool.map(lambda vs: run_one(a, data, vs[0], vs[1], raw_refs, lock), jobs))
+        rows = list(pool.map(lambda j: run_one(a, data, j[0], j[1], raw_refs, lock, j[2]), jobs))
 
     summary = summarize(rows, variants)
     text = tables(rows, summary)
-    head = (f"Quality parity: {device_name()}, {datetime.date.today()}, commit {a.commit}, "
-            f"corpus {a.corpus}, model {a.model}, {a.max_update} updates of {a.max_tokens} "
-            f"tokens, beam {a.beam}, seeds {a.seeds}; {time.time() - t0:.0f}s in all")
+    head = (f"Quality parity: {device_name()}, {setup_text(a)}, {datetime.date.today()}, "
+            f"commit {a.commit}, corpus {a.corpus}, model {a.model}, beam {a.beam}, "
+            f"seeds {a.seeds}; {time.time() - t0:.0f}s in all")
     print("\n" + head + "\n\n" + text, flush=True)
     if a.markdown:
         with open(a.markdown, "w") as f:
@@ -376,8 +478,10 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump(dict(device=device_name(), date=str(datetime.date.today()),
                            commit=a.commit, corpus=a.corpus, model=a.model,
-                           max_update=a.max_update, max_tokens=a.max_tokens, beam=a.beam,
-                           seeds=seeds, rows=rows, summary=summary), f, indent=1)
+                           max_update=a.max_update, max_tokens=a.max_tokens, gpus=a.gpus,
+                           ddp_backend=a.ddp_backend, update_freq=a.update_freq,
+                           setup=setup_text(a), beam=a.beam, seeds=seeds, rows=rows,
+                           summary=summary), f, indent=1)
     return summary
 
 

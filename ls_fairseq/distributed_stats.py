@@ -1,5 +1,6 @@
-"""``--ls-async-stats`` (criterion option, several GPUs): fairseq's two per-update exchanges
-between workers, done without waiting for the GPU.
+"""Async stats (criterion option, several GPUs; on by default, ``--ls-no-async-stats`` off,
+``--ls-async-stats`` required): fairseq's two per-update exchanges between workers, done without
+waiting for the GPU.
 
 On N > 1 workers, fairseq's ``Trainer.train_step`` does two things every update that read the GPU:
 
@@ -34,33 +35,44 @@ fairseq-train builds fairseq's ``Trainer`` by name and has no trainer registry, 
 two methods is the only way to change them short of a trainer of ls_fairseq's own.
 ``ls_fairseq.fairseq_patches`` wraps both on the ``Trainer`` class when the plugin loads; the
 wrappers call :func:`aggregate_logging_outputs` / :func:`check_grad_norms`, which run fairseq's
-own methods for every trainer whose criterion does not have ``ls_async_stats`` set. Tested in
+own methods for every trainer whose criterion's ``ls_async_stats`` (a ``switches`` mode) is off
+or that has no such criterion. Under model parallelism (the data-parallel group is not every
+worker) they step aside with one log line, or refuse the run with ``--ls-async-stats``. Tested in
 tests/test_distributed_stats.py (gloo, against fairseq's
 ``_check_grad_norms``), tests/gpu/test_distributed_stats_cuda.py (two GPUs, against fairseq's
 ``_all_gather_list_sync``; neither wrapped method waits for the GPU) and tests/test_end_to_end.py
 (two CPU workers of fairseq-train log what one worker with update-freq 2 logs).
 """
 import itertools
+import logging
 import math
 
 import torch.distributed as dist
 from fairseq import utils
 from fairseq.distributed import utils as distributed_utils
 
+from . import switches
 from .host_copy import HostCopy
 from .workers import several_workers
 
+logger = logging.getLogger(__name__)
+
 
 def _applies(trainer) -> bool:
-    if not getattr(getattr(trainer, "_criterion", None), "ls_async_stats", False):
+    criterion = getattr(trainer, "_criterion", None)
+    mode = getattr(criterion, "ls_async_stats", switches.OFF)
+    if mode not in (switches.AUTO, switches.ON):
         return False
     if not several_workers():  # one process: nothing exchanged
         return False
     if trainer.data_parallel_world_size != dist.get_world_size():
-        raise ValueError(
-            f"--ls-async-stats needs plain data parallelism (the data-parallel group is every "
-            f"worker); this run has {trainer.data_parallel_world_size} data-parallel workers "
-            f"of {dist.get_world_size()} (model parallelism): drop --ls-async-stats")
+        switches.refuse_or_step_aside(
+            mode, "--ls-async-stats",
+            f"it needs plain data parallelism (the data-parallel group is every worker); this "
+            f"run has {trainer.data_parallel_world_size} data-parallel workers of "
+            f"{dist.get_world_size()} (model parallelism)", logger)
+        criterion.ls_async_stats = switches.OFF  # stepped aside for the run
+        return False
     return True
 
 

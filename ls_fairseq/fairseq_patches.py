@@ -22,7 +22,7 @@ the docstring of each test file there says).
    done anyway, moved before the wps read. Runs whose optimizer reads the gradient norm back
    every update: unchanged.
 3. ``Trainer._aggregate_logging_outputs`` and ``Trainer._check_grad_norms``
-   (``--ls-async-stats``, several GPUs): :mod:`ls_fairseq.distributed_stats`.
+   (async stats, several GPUs): :mod:`ls_fairseq.distributed_stats`.
 4. ``Trainer.load_checkpoint`` (resuming the other side's checkpoint): fairseq refuses to resume
    a checkpoint whose recorded criterion or optimizer class differs from the run's ("please
    reset the optimizer (--reset-optimizer)", which throws the Adam state away). Where the two

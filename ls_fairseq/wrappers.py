@@ -1,5 +1,7 @@
 """Seeing through the trainer's model wrappers (fairseq's ModuleProxyWrapper, torch DDP, fairseq's
-LegacyDistributedDataParallel): each holds the wrapped model as its ``module`` child."""
+LegacyDistributedDataParallel): each holds the wrapped model as its ``module`` child. The two
+data-parallel wrappers differ in how they say an update's gradients are due for the all-reduce
+and over how many workers; ``grad_sync_due`` and ``world_size`` ask either."""
 import torch
 
 
@@ -26,11 +28,30 @@ def innermost(model, depth=8):
     return model
 
 
-def legacy_ddp_of(module):
-    """fairseq's LegacyDistributedDataParallel (``--ddp-backend legacy_ddp``/``no_c10d``) inside
-    the trainer's model wrappers, or None (also under torch DDP)."""
+def data_parallel_of(module):
+    """The trainer's data-parallel wrapper inside ``module``'s wrapper chain: fairseq's
+    LegacyDistributedDataParallel (``--ddp-backend legacy_ddp``/``no_c10d``) or torch's
+    DistributedDataParallel (``c10d``/``pytorch_ddp``, fairseq's default), or None."""
     from fairseq.distributed import LegacyDistributedDataParallel
 
-    found = find_wrapper(module, (LegacyDistributedDataParallel,
-                                  torch.nn.parallel.DistributedDataParallel))
-    return found if isinstance(found, LegacyDistributedDataParallel) else None
+    return find_wrapper(module, (LegacyDistributedDataParallel,
+                                 torch.nn.parallel.DistributedDataParallel))
+
+
+def is_torch_ddp(wrapper) -> bool:
+    return isinstance(wrapper, torch.nn.parallel.DistributedDataParallel)
+
+
+def grad_sync_due(wrapper) -> bool:
+    """Whether a backward now ends the update: the gradients are to be all-reduced (False inside
+    the wrapper's ``no_sync()``, fairseq's micro-batches before the last of ``--update-freq``)."""
+    if is_torch_ddp(wrapper):
+        return wrapper.require_backward_grad_sync
+    return not wrapper.accumulate_grads
+
+
+def world_size(wrapper) -> int:
+    """The number of workers ``wrapper`` averages the gradients over."""
+    if is_torch_ddp(wrapper):
+        return torch.distributed.get_world_size(wrapper.process_group)
+    return wrapper.world_size

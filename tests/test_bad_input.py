@@ -235,9 +235,8 @@ FLAG_CASES = [
      "usage: argument --ls-fused-output-ce-chunk: invalid int value: 'x'"),
     (["--ls-fused-output-ce", "--ls-fused-output-ce-chunk", "-5"],
      "--ls-fused-output-ce-chunk must be >= 0"),
-    pytest.param(["--ls-all-reduce-bucket-mb", "nan"], "--ls-all-reduce-bucket-mb must be >= 0",
-                 marks=pytest.mark.xfail(strict=True, reason="NaN passes 'bucket_mb < 0' "
-                                         "(cuda_graphs.py: test 'not bucket_mb >= 0')")),
+    (["--ls-all-reduce-bucket-mb", "nan"], "--ls-all-reduce-bucket-mb must be >= 0, got nan"),
+    (["--ls-shape-bucket-slack", "nan"], "--ls-shape-bucket-slack must be >= 0, got nan"),
     (["--ls-cuda-graphs", "--ls-no-cuda-graphs"],
      "--ls-cuda-graphs and --ls-no-cuda-graphs contradict each other: pass one of them"),
     (["--ls-fused-fp16-copy", "--ls-no-fused-fp16-copy"],
@@ -245,6 +244,8 @@ FLAG_CASES = [
     (["--ls-deferred-overflow-check", "--ls-no-deferred-overflow-check"],
      "--ls-deferred-overflow-check and --ls-no-deferred-overflow-check contradict each other: "
      "pass one of them"),
+    (["--ls-async-stats", "--ls-no-async-stats"],
+     "--ls-async-stats and --ls-no-async-stats contradict each other: pass one of them"),
     (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"],
      "--ls-deferred-overflow-check needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
 ]

@@ -1,11 +1,15 @@
 """bench/quality.py and bench/learnable_corpus.py on the CPU: the corpus (deterministic, ~11k word
 types a side with Zipf frequencies, target lengths that differ from the source's, WMT-length lines
 for bench/e2e.py), the command lines of each variant, the parsing of fairseq's logs, the scores,
-the verdict against the baseline (closed-form rows), and one tiny real run of the whole pipeline
-(fairseq-preprocess, fairseq-train, fairseq-generate, sacreBLEU) with a fairseq and an ls_ variant.
+the verdict against the baseline (closed-form rows), the --gpus N plumbing (fairseq's distributed
+flags, one port per run, CUDA_VISIBLE_DEVICES, the start-up check), and one tiny real run of the
+whole pipeline (fairseq-preprocess, fairseq-train, fairseq-generate, sacreBLEU) with a fairseq and
+an ls_ variant.
 """
 import collections
 import json
+import os
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -92,7 +96,8 @@ def test_wmt_length_lines():
 
 def _args(**kw):
     base = dict(lr=7e-4, warmup_updates=500, dropout=0.3, max_tokens=4096, max_update=100,
-                model="small", cuda=True, beam=5, lenpen=1.0)
+                model="small", cuda=True, beam=5, lenpen=1.0, gpus=1, ddp_backend=None,
+                update_freq=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -121,6 +126,124 @@ def test_variant_command_lines():
     assert "--cpu" in cpu and "--fp16" not in cpu
     assert "--user-dir" not in quality.generate_cmd(a, "bin", "baseline", "run")
     assert "--user-dir" in quality.generate_cmd(a, "bin", "optimizer", "run")
+
+
+# the ls variant's command as quality.py built it before --gpus existed (_args())
+ONE_GPU_LS = [
+    sys.executable, "-m", "fairseq_cli.train", "bin", "--arch", "ls_transformer",
+    "--share-all-embeddings", "--optimizer", "ls_adam", "--adam-betas", "(0.9, 0.98)",
+    "--clip-norm", "0.0", "--lr", "0.0007", "--lr-scheduler", "inverse_sqrt", "--warmup-updates",
+    "500", "--dropout", "0.3", "--weight-decay", "0.0001", "--criterion",
+    "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "4096",
+    "--max-update", "100", "--fp16", "--seed", "1", "--save-dir", "run", "--no-epoch-checkpoints",
+    "--no-last-checkpoints", "--save-interval", "100000", "--validate-interval", "100000",
+    "--log-format", "simple", "--log-interval", "100", "--no-progress-bar", "--num-workers", "0",
+    "--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256",
+    "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim",
+    "1024", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--user-dir",
+    quality.USER_DIR]
+DISTRIBUTED = ("--distributed-world-size", "--distributed-init-method", "--distributed-port",
+               "--ddp-backend", "--update-freq", "--distributed-no-spawn")
+
+
+def test_one_gpu_command_is_unchanged(monkeypatch):
+    a = _args(gpus=1)
+    for port in (None, 29600):  # a port is ignored on one GPU
+        cmd = quality.train_cmd(a, "bin", "ls", 1, "run", port)
+        assert cmd == ONE_GPU_LS
+        assert not set(DISTRIBUTED) & set(cmd)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    train_env, gen_env = quality.run_envs(a, "ls")
+    assert "CUDA_VISIBLE_DEVICES" not in train_env and "CUDA_VISIBLE_DEVICES" not in gen_env
+    assert gen_env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
+    assert quality.setup_text(_args(max_update=1500)) == \
+        "1 GPU per run, 1500 updates of 4096 tokens"
+
+
+def _flag(cmd, name):
+    assert cmd.count(name) == 1, (name, cmd)
+    return cmd[cmd.index(name) + 1]
+
+
+def test_two_gpu_commands(monkeypatch):
+    a = _args(gpus=2, max_tokens=2048)
+    variants, seeds = list(quality.VARIANTS), [1, 2, 3]
+    jobs = quality.job_list(variants, seeds, 29600)
+    assert [(v, s) for v, s, _ in jobs] == [(v, s) for s in seeds for v in variants]
+    ports = set()
+    for variant, seed, port in jobs:
+        cmd = quality.train_cmd(a, "bin", variant, seed, f"run_{variant}_{seed}", port)
+        assert _flag(cmd, "--distributed-world-size") == "2"
+        ports.add(_flag(cmd, "--distributed-init-method"))
+        # on one node fairseq ignores --distributed-port (trains on one GPU); no backend flag
+        # and no update-freq unless asked
+        assert "--distributed-port" not in cmd and "--ddp-backend" not in cmd
+        assert "--update-freq" not in cmd
+        i = cmd.index("--distributed-world-size")  # otherwise the 1-GPU command
+        assert cmd[:i] + cmd[i + 4:] == quality.train_cmd(
+            _args(max_tokens=2048), "bin", variant, seed, f"run_{variant}_{seed}")
+        gen = quality.generate_cmd(a, "bin", variant, "run")
+        assert gen == quality.generate_cmd(_args(), "bin", variant, "run")
+        assert not [f for f in gen if f.startswith("--distributed") or f == "--ddp-backend"]
+    # every run its own rendezvous, so any --jobs of them can start at once
+    assert len(ports) == len(jobs)
+    assert ports == {f"tcp://localhost:{29600 + i}" for i in range(len(jobs))}
+    eager = quality.train_cmd(a, "bin", "ls_eager", 1, "run", 29600)
+    assert eager[-3:] == quality.VARIANTS["ls_eager"]["flags"]
+
+    both = quality.train_cmd(_args(gpus=2, ddp_backend="legacy_ddp", update_freq=2), "bin", "ls",
+                             1, "run", 29601)
+    assert _flag(both, "--ddp-backend") == "legacy_ddp" and _flag(both, "--update-freq") == "2"
+    one = quality.train_cmd(_args(ddp_backend="no_c10d"), "bin", "ls", 1, "run")
+    assert _flag(one, "--ddp-backend") == "no_c10d" and "--distributed-world-size" not in one
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    train_env, gen_env = quality.run_envs(a, "ls_off")
+    assert train_env["CUDA_VISIBLE_DEVICES"] == "0,1" and gen_env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert train_env["LS_FAIRSEQ_KERNELS"] == "off"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5,6")  # the caller's GPUs are kept
+    train_env, gen_env = quality.run_envs(a, "ls")
+    assert train_env["CUDA_VISIBLE_DEVICES"] == "4,5" and gen_env["CUDA_VISIBLE_DEVICES"] == "4"
+
+    assert quality.setup_text(_args(gpus=2, max_tokens=2048, max_update=1500)) == (
+        "2 GPUs per run (--ddp-backend fairseq default, pytorch_ddp), 1500 updates of 4096 "
+        "tokens (2 GPUs × 2048)")
+    assert "--ddp-backend legacy_ddp" in quality.setup_text(_args(gpus=2, ddp_backend="legacy_ddp"))
+
+
+def test_two_gpu_run_records_gpus(monkeypatch, tmp_path):
+    """run_one with fairseq's processes faked: the row names the GPUs and the backend, the
+    training gets both GPUs and its port, the decoding one GPU."""
+    calls = []
+
+    def fake_run(cmd, env, **kw):
+        calls.append((cmd, env))
+        if "fairseq_cli.train" in cmd:
+            open(os.path.join(cmd[cmd.index("--save-dir") + 1], "checkpoint_best.pt"), "w").close()
+            return SimpleNamespace(returncode=0)
+        return SimpleNamespace(returncode=0, stdout="H-0\t-0.1\tq r s t u\n", stderr="")
+
+    monkeypatch.setattr(quality.subprocess, "run", fake_run)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    a = _args(gpus=2, ddp_backend="legacy_ddp", workdir=str(tmp_path), keep_checkpoints=False)
+    row = quality.run_one(a, "bin", "ls", 2, {0: "q r s t u"}, quality.threading.Lock(), 29605)
+    assert row["gpus"] == 2 and row["ddp_backend"] == "legacy_ddp" and "error" not in row
+    assert row["bleu"] == pytest.approx(100.0)
+    (train, train_env), (gen, gen_env) = calls
+    assert _flag(train, "--distributed-init-method") == "tcp://localhost:29605"
+    assert train_env["CUDA_VISIBLE_DEVICES"] == "0,1" and gen_env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert not [f for f in gen if f.startswith("--distributed")]
+
+
+@pytest.mark.parametrize("cuda,count", [(True, 1), (False, 0)])
+def test_too_few_gpus_fail_at_start(monkeypatch, capsys, tmp_path, cuda, count):
+    monkeypatch.setattr(quality, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(quality, "cuda_device_count", lambda: count)
+    with pytest.raises(SystemExit):
+        quality.main(["--gpus", "2", "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err
+    assert f"--gpus 2: only {count} CUDA device(s) visible" in err
+    assert not (tmp_path / "w").exists()  # nothing was started
 
 
 def test_log_parsing():
@@ -181,9 +304,12 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
                             str(tmp_path / "q.md")])
     data = json.loads(out.read_text())
     assert [r["variant"] for r in data["rows"]] == ["baseline", "ls"]
+    assert data["gpus"] == 1 and data["ddp_backend"] is None
     for r in data["rows"]:
         assert "error" not in r, r
+        assert r["gpus"] == 1 and "ddp_backend" not in r
         assert r["updates"] == 8 and r["valid_loss"] > 0 and 0 <= r["bleu"] <= 100
         assert r["sys_len"] > 0 and r["ref_len"] > 0
     assert summary["ls"]["n"] == 1 and "pass" in summary["ls"]
-    assert "| baseline | 1 |" in (tmp_path / "q.md").read_text()
+    md = (tmp_path / "q.md").read_text()
+    assert "| baseline | 1 |" in md and "1 GPU per run, 8 updates of 512 tokens" in md

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fairseq.trainer import Trainer
 
 from fairseq_helpers import run_workers
-from ls_fairseq import distributed_stats, fairseq_patches
+from ls_fairseq import distributed_stats, fairseq_patches, switches
 from ls_fairseq.host_copy import HostCopy
 from ls_fairseq.optim import deferred_overflow
 
@@ -32,7 +32,8 @@ WORLD = 2
 def _fake_trainer(rank, async_stats=True, amp=False):
     """The attributes of fairseq's Trainer that the wrapped methods (and fairseq's) read."""
     return SimpleNamespace(
-        _criterion=SimpleNamespace(ls_async_stats=async_stats), data_parallel_world_size=WORLD,
+        _criterion=SimpleNamespace(ls_async_stats=switches.AUTO if async_stats else switches.OFF),
+        data_parallel_world_size=WORLD,
         data_parallel_rank=rank, data_parallel_process_group=dist.group.WORLD,
         _grad_norm_buf=torch.zeros(WORLD, dtype=torch.float64),
         cfg=SimpleNamespace(common=SimpleNamespace(amp=amp)))
@@ -135,9 +136,9 @@ def _norms_worker(rank):
     out["delegated"] = _raises(Trainer._check_grad_norms, other,
                                torch.tensor(1.0 + rank * 1e-3)) is not None
     # ls_adam's deferred overflow check needs the late check on several workers
-    cfg = SimpleNamespace(criterion=SimpleNamespace(ls_async_stats=False))
+    cfg = SimpleNamespace(criterion=SimpleNamespace(ls_async_stats=False, ls_no_async_stats=True))
     out["deferred_refused"] = deferred_overflow.grad_norm_check_conflict(cfg) or ""
-    cfg.criterion.ls_async_stats = True
+    cfg.criterion.ls_no_async_stats = False  # the criterion's default: async stats on
     out["deferred_with_async_stats"] = deferred_overflow.grad_norm_check_conflict(cfg)
     return out
 
@@ -147,8 +148,7 @@ def test_grad_norm_check_raises_one_update_late_where_fairseq_raises(tmp_path):
         assert r["same_update"] == [None] * len(NORM_CASES + OVERFLOWS), rank
         assert r["delegated"], rank
         assert r["gather_compares"] is not None and r["compared_once"] is None, rank
-        assert "needs --criterion ls_label_smoothed_cross_entropy --ls-async-stats" in \
-            r["deferred_refused"], rank
+        assert "--ls-no-async-stats keeps fairseq's check" in r["deferred_refused"], rank
         assert r["deferred_with_async_stats"] is None, rank
         for case, ours, theirs in zip(NORM_CASES, r["ours"], r["fairseq"]):
             assert (ours is None) == (theirs is None), (rank, case, ours, theirs)
@@ -164,13 +164,22 @@ def test_grad_norm_check_raises_one_update_late_where_fairseq_raises(tmp_path):
     assert any(x is not None for x in r["fairseq"][:len(NORM_CASES)])
 
 
-def test_model_parallel_runs_are_refused():
+def test_model_parallel_runs_step_aside_or_are_refused(caplog):
+    """Under model parallelism async stats step aside for the run (one line), or, required with
+    --ls-async-stats, refuse it."""
     trainer = _fake_trainer(0)
     trainer.data_parallel_world_size = 1  # fewer data-parallel workers than processes
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dist, "get_world_size", lambda group=None: 2)
         mp.setattr(dist, "is_initialized", lambda: True)
-        with pytest.raises(ValueError, match="--ls-async-stats needs plain data parallelism"):
+        with caplog.at_level("INFO"):
+            assert not distributed_stats._applies(trainer)
+            assert not distributed_stats._applies(trainer)
+        lines = [r.getMessage() for r in caplog.records if "is off for this run" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("ls-async-stats is off for this run: it "
+                                                       "needs plain data parallelism"), lines
+        trainer._criterion.ls_async_stats = switches.ON
+        with pytest.raises(ValueError, match="^--ls-async-stats: it needs plain data parallelism"):
             distributed_stats._applies(trainer)
 
 

@@ -190,10 +190,11 @@ def _stats(log):
 
 
 def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp_path):
-    """--ls-async-stats under fairseq's own distributed engine: two gloo workers (update-freq 1)
-    log the same losses, accuracies, sizes, grad norms and validation figures as one worker with
-    update-freq 2, to the last printed digit. (Without the option fairseq cannot even run this
-    on CPUs: its all_gather_list needs CUDA.)"""
+    """Async stats (on by default, no flag given) under fairseq's own distributed engine: two
+    gloo workers (update-freq 1) log the same losses, accuracies, sizes, grad norms and
+    validation figures as one worker with update-freq 2, to the last printed digit. (Without
+    them fairseq cannot even run this on CPUs: its all_gather_list needs CUDA. legacy_ddp:
+    fairseq gives torch DDP a GPU device id even on the CPU.)"""
     import socket
 
     with socket.socket() as s:
@@ -201,7 +202,7 @@ def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp
         port = s.getsockname()[1]
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
              "--ddp-backend", "legacy_ddp"]
-    args = ["--ls-async-stats", "--distributed-backend", "gloo", "--distributed-world-size", "2",
+    args = ["--distributed-backend", "gloo", "--distributed-world-size", "2",
             "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
     env = dict(_env(), OMP_NUM_THREADS="1")  # two processes on a 2-core CI machine
     cmd = train_cmd(data_bin, tmp_path, "ls_transformer", extra, 30,

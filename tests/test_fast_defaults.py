@@ -98,28 +98,33 @@ def one_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_graphs_under_torch_ddp_step_aside_or_are_refused(one_process_group, caplog):
+def test_graphs_stay_on_under_torch_ddp(one_process_group, caplog):
+    """torch DDP (fairseq's default backend) no longer turns the graphs off: the engine runs the
+    steps inside DDP and all-reduces itself (tests/gpu/test_cuda_graphs_cuda.py checks the
+    gradients). A CPU batch runs eagerly without turning them off for the run."""
     dictionary = make_dictionary()
     model = torch.nn.parallel.DistributedDataParallel(
         build_model("ls_transformer", dictionary, TINY))
     sample = random_sample(dictionary, 3, 5, 4, torch.Generator().manual_seed(0))
-    crit = _criterion()
-    with caplog.at_level("INFO"):
-        assert not crit.graphs.applies(model, sample)
-        assert not crit.graphs.applies(model, sample)
-    lines = _off_lines(caplog, "ls-cuda-graphs")
-    assert len(lines) == 1 and "--ddp-backend legacy_ddp" in lines[0]
-    with pytest.raises(ValueError, match="^--ls-cuda-graphs: torch DistributedDataParallel"):
-        _criterion(ls_cuda_graphs=True).graphs.applies(model, sample)
+    for crit in (_criterion(), _criterion(ls_cuda_graphs=True)):
+        with caplog.at_level("INFO"):
+            assert not crit.graphs.applies(model, sample)  # the batch is on the CPU
+        assert crit.graphs.off_reason is None
+    assert _off_lines(caplog, "ls-cuda-graphs") == []
 
 
 # ---- fused fp16 copy and deferred overflow check (optimizer) --------------------------------
 
-def _cfg(optimizer="ls_adam", pipeline=False, cpu=False, async_stats=False, **opt):
+def _cfg(optimizer="ls_adam", pipeline=False, cpu=False, criterion="ours", **opt):
+    """``criterion``: "ours" (ls_label_smoothed_cross_entropy's defaults), "no_async_stats"
+    (with --ls-no-async-stats) or "fairseq" (a criterion without the options)."""
+    crit = {"ours": SimpleNamespace(ls_async_stats=False, ls_no_async_stats=False),
+            "no_async_stats": SimpleNamespace(ls_async_stats=False, ls_no_async_stats=True),
+            "fairseq": SimpleNamespace()}[criterion]
     return SimpleNamespace(
         optimizer=SimpleNamespace(_name=optimizer, **opt),
         distributed_training=SimpleNamespace(pipeline_model_parallel=pipeline),
-        common=SimpleNamespace(cpu=cpu), criterion=SimpleNamespace(ls_async_stats=async_stats))
+        common=SimpleNamespace(cpu=cpu), criterion=crit)
 
 
 def test_fused_copy_is_the_default_for_ls_adam_only():
@@ -145,13 +150,18 @@ def test_deferred_check_default_and_where_it_steps_aside(caplog, monkeypatch):
     with pytest.raises(ValueError, match="^--ls-deferred-overflow-check: .*--fp16-adam-stats"):
         ls_adam._defers_overflow_check(_cfg(fp16_adam_stats=True,
                                             ls_deferred_overflow_check=True))
-    # several workers: needs --ls-async-stats
+    # several workers: needs the criterion's async stats (on by default)
     monkeypatch.setattr(deferred_overflow, "several_workers", lambda: True)
-    caplog.clear()
-    with caplog.at_level("INFO"):
-        assert not ls_adam._defers_overflow_check(_cfg())
-    assert "--ls-async-stats" in _off_lines(caplog, "ls-deferred-overflow-check")[0]
-    assert ls_adam._defers_overflow_check(_cfg(async_stats=True))
+    assert ls_adam._defers_overflow_check(_cfg())
+    for criterion, why in (("no_async_stats", "--ls-no-async-stats keeps fairseq's check"),
+                           ("fairseq", "needs --criterion ls_label_smoothed_cross_entropy")):
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            assert not ls_adam._defers_overflow_check(_cfg(criterion=criterion))
+        assert why in _off_lines(caplog, "ls-deferred-overflow-check")[0]
+    model_parallel = _cfg()
+    model_parallel.common.model_parallel_size = 2
+    assert not ls_adam._defers_overflow_check(model_parallel)
 
 
 def test_deferred_check_needs_the_fused_copy_when_required():

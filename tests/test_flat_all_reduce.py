@@ -11,6 +11,7 @@ from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrappe
 from fairseq_helpers import run_workers
 
 from ls_fairseq.graphs import flat_all_reduce
+from ls_fairseq.wrappers import data_parallel_of, grad_sync_due, is_torch_ddp, world_size
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
 
 WORLD = 2
@@ -119,7 +120,7 @@ def test_flat_grad_buffers_accepts_only_exact_flat_views():
 def test_not_legacy_ddp_is_left_to_fairseq():
     model = _model(torch.float32)
     _flat_views(model, _grads(model, 0))
-    assert flat_all_reduce.legacy_ddp_of(model) is None
+    assert data_parallel_of(model) is None
     assert not flat_all_reduce.all_reduce_flat(model)
     assert not flat_all_reduce.all_reduce_flat(ModuleProxyWrapper(_Holder(model)))
 
@@ -130,10 +131,12 @@ class _Holder(torch.nn.Module):  # a wrapper of the kind ModuleProxyWrapper take
         self.module = module
 
 
-def test_torch_ddp_is_found_through_the_proxy_and_is_not_legacy(tmp_path):
-    """find_wrapper (ls_fairseq/wrappers.py) also tells --ls-cuda-graphs that torch DDP wraps the
-    model, which it must refuse; the flat all-reduce must leave torch DDP to itself."""
-    from ls_fairseq.wrappers import find_wrapper
+def test_torch_ddp_is_found_through_the_proxy_and_left_to_itself_without_an_engine(tmp_path):
+    """data_parallel_of (ls_fairseq/wrappers.py) finds either wrapper through fairseq's proxy.
+    Under torch DDP the flat all-reduce leaves the gradients to DDP's hooks unless the CUDA-graph
+    engine keeps them (a registered FlatGradients): then the engine has already all-reduced them
+    at the end of the backward, and this only checks it did (and takes the mark off)."""
+    from ls_fairseq.graphs.flat_gradients import FlatGradients, register
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
                             world_size=1)
@@ -141,10 +144,24 @@ def test_torch_ddp_is_found_through_the_proxy_and_is_not_legacy(tmp_path):
         model = _model(torch.float32)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         wrapped = ModuleProxyWrapper(ddp)
-        assert find_wrapper(wrapped, torch.nn.parallel.DistributedDataParallel) is ddp
-        assert find_wrapper(model, torch.nn.parallel.DistributedDataParallel) is None
-        assert flat_all_reduce.legacy_ddp_of(wrapped) is None
-        legacy = ModuleProxyWrapper(LegacyDistributedDataParallel(model, dist.group.WORLD))
-        assert flat_all_reduce.legacy_ddp_of(legacy) is legacy.module
+        assert data_parallel_of(wrapped) is ddp and is_torch_ddp(ddp)
+        assert grad_sync_due(ddp) and world_size(ddp) == 1
+        with ddp.no_sync():
+            assert not grad_sync_due(ddp)
+        _flat_views(model, _grads(model, 0))
+        assert not flat_all_reduce.all_reduce_flat(wrapped)  # no engine: DDP's own hooks did it
+        grads = FlatGradients(p for p in model.parameters() if p.requires_grad)
+        register(model, grads)
+        with pytest.raises(RuntimeError, match="did not all-reduce them"):
+            flat_all_reduce.all_reduce_flat(wrapped)
+        with ddp.no_sync():  # an update's earlier micro-batches: nothing due
+            assert flat_all_reduce.all_reduce_flat(wrapped)
+        grads.all_reduced = True
+        assert flat_all_reduce.all_reduce_flat(wrapped) and not grads.all_reduced
+        legacy = LegacyDistributedDataParallel(model, dist.group.WORLD)
+        assert data_parallel_of(ModuleProxyWrapper(legacy)) is legacy
+        assert not is_torch_ddp(legacy) and grad_sync_due(legacy) and world_size(legacy) == 1
+        with legacy.no_sync():
+            assert not grad_sync_due(legacy)
     finally:
         dist.destroy_process_group()

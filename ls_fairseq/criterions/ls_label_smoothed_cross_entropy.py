@@ -14,8 +14,9 @@ It needs a decoder whose output layer is ``decoder.output_projection`` (no adapt
 CUDA graphs (on by default where they apply; ``--ls-no-cuda-graphs`` off, ``--ls-cuda-graphs``
 required: ``ls_fairseq.switches``) replay the training forward and backward of each batch shape
 (``ls_fairseq.graphs.CudaGraphedLoss``): the same kernels, issued without Python's per-kernel cost.
-They step aside, with one log line, under torch DDP (``--ddp-backend c10d``; legacy_ddp works)
-and for a model other than ``ls_transformer``.
+They step aside, with one log line, for a model other than ``ls_transformer``. On several GPUs
+they work under fairseq's DDP backends (torch DDP, the default, and legacy_ddp/no_c10d) and
+all-reduce the gradients while the backward runs.
 ``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
 when batches are padded to bucketed shapes, which recur) or at its second (``auto`` otherwise:
 one-off shapes then never pay for a capture). ``--ls-cuda-graphs-memory compact`` (the default)
@@ -27,9 +28,9 @@ batch up to one of a few hundred shapes (``graphs.shape_buckets``), so the graph
 corpus are replayed from the first epoch on instead of thrashing over its thousands of batch shapes.
 Losses, gradients and logged values are those of the unpadded batch.
 
-``--ls-async-stats`` (opt-in, several GPUs) takes fairseq's per-update exchanges between workers
-(the logged values, the grad-norm agreement check) off the GPU's critical path
-(``ls_fairseq.distributed_stats``).
+Async stats (several GPUs; on by default, ``--ls-no-async-stats`` off, ``--ls-async-stats``
+required) take fairseq's per-update exchanges between workers (the logged values, the grad-norm
+agreement check) off the GPU's critical path (``ls_fairseq.distributed_stats``).
 
 Training logging outputs carry ``ls_flops``, the batch's model FLOPs (``ls_fairseq.flops``), and
 ``reduce_metrics`` logs ``tflops`` and ``mfu`` from them beside fairseq's ``wps``.
@@ -73,7 +74,7 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
     ls_cuda_graphs: bool = field(
         default=False,
         metadata={"help": "require CUDA graphs (on by default where they apply: an ls_transformer "
-                  "on a GPU, not under --ddp-backend c10d): the training forward+backward of "
+                  "on a GPU): the training forward+backward of "
                   "each batch shape is replayed as CUDA graphs, captured as "
                   "--ls-cuda-graphs-capture says; with this flag a run where they cannot apply "
                   "is refused"},
@@ -113,17 +114,24 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                                "slots (source + target positions) than the batch's own shape"},
     )
     ls_all_reduce_bucket_mb: float = field(
-        default=25.0, metadata={"help": "with --ls-cuda-graphs on several GPUs (--ddp-backend "
-                                "legacy_ddp/no_c10d): all-reduce the gradients in buckets of "
-                                "about this many MB while the backward runs (0: all at once "
-                                "after the backward)"},
+        default=25.0, metadata={"help": "with --ls-cuda-graphs on several GPUs: all-reduce the "
+                                "gradients in buckets of about this many MB while the backward "
+                                "runs (0: all at once after the backward)"},
     )
     ls_async_stats: bool = field(
         default=False,
-        metadata={"help": "several GPUs: gather the logged values over a CPU (gloo) group and "
-                  "compare the workers' grad norms one update late, so fairseq's train_step "
-                  "does not wait for the GPU (wraps two fairseq Trainer methods; "
-                  "ls_fairseq/distributed_stats.py)"},
+        metadata={"help": "require async stats (on by default on several GPUs of plain data "
+                  "parallelism): gather the logged values over a CPU (gloo) group and compare "
+                  "the workers' grad norms one update late, so fairseq's train_step does not "
+                  "wait for the GPU (wraps two fairseq Trainer methods; "
+                  "ls_fairseq/distributed_stats.py); with this flag a run where they cannot "
+                  "apply is refused"},
+    )
+    ls_no_async_stats: bool = field(
+        default=False,
+        metadata={"help": "turn async stats off: fairseq's own exchanges, which wait for the "
+                  "GPU every update (the deferred overflow check is then off on several GPUs "
+                  "too)"},
     )
 
 
@@ -158,7 +166,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_cuda_graphs=False, ls_no_cuda_graphs=False, ls_cuda_graphs_capture="auto",
                  ls_cuda_graphs_memory="compact", ls_cuda_graphs_max=256,
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
-                 ls_async_stats=False):
+                 ls_async_stats=False, ls_no_async_stats=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
@@ -180,7 +188,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             required=graphs == switches.ON) if use_graphs else None
         self._flops_of = (None, None)  # (model, its TransformerFlops), see _model_flops
         # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
-        self.ls_async_stats = ls_async_stats
+        self.ls_async_stats = switches.resolve(ls_async_stats, ls_no_async_stats,
+                                               "--ls-async-stats")
 
     @staticmethod
     def _shape_buckets(task, steps, slack):

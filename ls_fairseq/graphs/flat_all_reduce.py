@@ -1,4 +1,5 @@
-"""One all-reduce per flat gradient buffer under fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``.
+"""One all-reduce per flat gradient buffer under fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``;
+under torch DDP, the bookkeeping of the engine's own all-reduce.
 
 fairseq's ``LegacyDistributedDataParallel.all_reduce_grads`` copies every gradient into a
 staging buffer (as large as the model: 420 MB of fp16 for transformer big), divides it by the
@@ -21,10 +22,14 @@ With ``--ls-cuda-graphs`` the buffers are normally all-reduced earlier, bucket b
 the backward (``grad_buckets.py``); the model's ``FlatGradients`` (``flat_gradients_of``) then
 say ``all_reduced``, and this method only takes that off. Otherwise (``--ls-all-reduce-bucket-mb
 0``, or gradients that are flat without an engine behind them) it does the whole reduction itself.
+
+Under torch DDP (``--ddp-backend c10d``/``pytorch_ddp``) the engine runs the training steps inside
+DDP and always all-reduces the gradients itself at the end of the update's backward (``replay``'s
+module doc); this method then only checks that it did. Without an engine, DDP's own hooks did.
 """
 import torch
 
-from ..wrappers import legacy_ddp_of
+from ..wrappers import data_parallel_of, grad_sync_due, is_torch_ddp
 from .flat_gradients import ALIGN, flat_gradients_of
 
 # the engine's accumulators align each view to ALIGN (16) elements
@@ -59,11 +64,13 @@ def flat_grad_buffers(params):
 
 def all_reduce_flat(module):
     """fairseq's legacy all-reduce of the model's gradients (sum / world size), done in place on
-    their flat buffers. True if done; False if the caller should use fairseq's own method (not
-    legacy DDP, or the gradients are not flat)."""
-    ddp = legacy_ddp_of(module)
+    their flat buffers. True if done; False if the caller should use fairseq's own method (no
+    data-parallel wrapper, torch DDP without the engine, or the gradients are not flat)."""
+    ddp = data_parallel_of(module)
     if ddp is None:
         return False
+    if is_torch_ddp(ddp):
+        return _engine_reduced(ddp)
     buffers = flat_grad_buffers([p for p in ddp.module.parameters() if p.requires_grad])
     if buffers is None:
         return False
@@ -81,4 +88,20 @@ def all_reduce_flat(module):
     for buf in buffers:
         buf.div_(ddp.world_size)
         torch.distributed.all_reduce(buf, group=ddp.process_group)
+    return True
+
+
+def _engine_reduced(ddp):
+    """Under torch DDP: True if the engine keeps this model's gradients (it has all-reduced them
+    at the end of the backward), False if DDP's own hooks did."""
+    grads = flat_gradients_of(ddp.module)
+    if grads is None:
+        return False
+    if not grad_sync_due(ddp):  # inside no_sync(): nothing is due yet
+        return True
+    if not grads.all_reduced:
+        raise RuntimeError("ls_fairseq: under torch DDP the CUDA-graph engine keeps the gradients, "
+                           "but it did not all-reduce them at the end of this update's backward; "
+                           "train with --ls-no-cuda-graphs, and please report this")
+    grads.all_reduced = False
     return True

@@ -1,6 +1,6 @@
 """Gradient all-reduce bucket by bucket, overlapped with the backward.
 
-Used by ``--ls-cuda-graphs`` under fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``, where all
+Used by ``--ls-cuda-graphs`` on several GPUs (every DDP backend of fairseq), where all
 gradients live in flat per-dtype buffers (``flat_gradients.py``). Without overlap, each
 buffer is divided and all-reduced once the backward is over (``flat_all_reduce.py``): 1.4 ms
 for transformer big's 420 MB of fp16 gradients on 2x H200, added to every update

@@ -44,18 +44,26 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 * Dropout stays random: the CUDA generator is graph-aware and every replay advances its offset
   (the same Philox stream an eager step would use).
 
-* Several GPUs (fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``): the captured backward adds
-  the gradients into the accumulators bucket by bucket (``grad_buckets.py``) and records an
-  external CUDA event after each bucket. At the end of the backward of an update's last
-  micro-batch (replayed or eager) the buckets are all-reduced on a side stream, each as soon as
-  its event fires, so the all-reduce runs under the rest of the backward; ls_adam's
-  ``all_reduce_grads`` then finds the buffers done (``flat_all_reduce.py``).
-  ``--ls-all-reduce-bucket-mb 0`` leaves the whole all-reduce to ``all_reduce_grads``.
+* Several GPUs: the captured backward adds the gradients into the accumulators bucket by
+  bucket (``grad_buckets.py``) and records an external CUDA event after each bucket. At the end
+  of the backward of an update's last micro-batch (replayed or eager) the buckets are all-reduced
+  on a side stream, each as soon as its event fires, so the all-reduce runs under the rest of the
+  backward; ls_adam's ``all_reduce_grads`` then finds the buffers done (``flat_all_reduce.py``).
+  The reduction is both wrappers' (divide by the world size, sum), in the gradients' dtype.
 
-Limits: the gradients bypass autograd's per-parameter hooks, so torch DDP (``--ddp-backend
-c10d``/``pytorch_ddp``), which all-reduces from those hooks, is refused with an error. Graphs hold
-their kernels' arguments and one pool of activation memory; ``max_graphs`` bounds their number
-(least recently used are dropped). Without CUDA the eager path runs (one warning).
+  - fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``: ``--ls-all-reduce-bucket-mb 0`` leaves
+    the whole all-reduce to ``all_reduce_grads`` instead.
+  - torch DDP (``--ddp-backend c10d``/``pytorch_ddp``, fairseq's default) all-reduces from
+    per-parameter autograd hooks, which a replayed backward never calls. So every training step
+    (replayed or eager) runs the model inside DDP, not DDP's forward: DDP then never prepares its
+    reducer and its hooks stay idle, and the engine all-reduces the flat buffers itself at the end
+    of every update's backward, with DDP's process group (``--ls-all-reduce-bucket-mb 0``: in one
+    piece after the backward). Validation and anything else without gradients still goes
+    through DDP's forward. DDP's communication hooks (``--ddp-comm-hook``) are not applied.
+
+Limits: graphs hold their kernels' arguments and one pool of activation memory; ``max_graphs``
+bounds their number (least recently used are dropped). Without CUDA the eager path runs (one
+warning).
 """
 import collections
 import contextlib
@@ -66,7 +74,7 @@ import weakref
 import torch
 
 from .. import switches
-from ..wrappers import find_wrapper, innermost, legacy_ddp_of
+from ..wrappers import data_parallel_of, grad_sync_due, innermost, is_torch_ddp, world_size
 from . import grad_buckets
 from .capture_policy import CapturePolicy
 from .flat_gradients import FlatGradients, register
@@ -157,7 +165,7 @@ class CudaGraphedLoss:
     def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0,
                  capture_first_sighting: bool = False, memory: str = "compact",
                  required: bool = False):
-        if bucket_mb < 0:
+        if not bucket_mb >= 0:  # NaN too
             raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
         if memory not in MEMORY_CHOICES:
             raise ValueError(f"--ls-cuda-graphs-memory must be one of {', '.join(MEMORY_CHOICES)}"
@@ -213,12 +221,7 @@ class CudaGraphedLoss:
         if self.off_reason is not None:
             return False
         reason = None
-        if find_wrapper(model, torch.nn.parallel.DistributedDataParallel) is not None:
-            reason = ("torch DistributedDataParallel (--ddp-backend c10d / pytorch_ddp, "
-                      "fairseq's default) all-reduces gradients from per-parameter autograd hooks "
-                      "that graph replay bypasses; use --ddp-backend legacy_ddp (or no_c10d) to "
-                      "keep them")
-        elif not self.required and not getattr(innermost(model), "supports_cuda_graphs", False):
+        if not self.required and not getattr(innermost(model), "supports_cuda_graphs", False):
             reason = (f"the model ({type(innermost(model)).__name__}) is not an ls_transformer, "
                       f"whose training step is known to be capturable; pass --ls-cuda-graphs to "
                       f"try it anyway")
@@ -238,24 +241,32 @@ class CudaGraphedLoss:
         return True
 
     def __call__(self, model, sample, compute):
+        ddp = data_parallel_of(model)
+        if is_torch_ddp(ddp):
+            model = self._inside_torch_ddp(ddp)
+        elif self.bucket_mb <= 0:
+            ddp = None  # legacy DDP: ls_adam's all_reduce_grads reduces after the backward
+        # the backward ends the update: all-reduce the gradients at its end
+        sync = ddp if ddp is not None and grad_sync_due(ddp) else None
         key = self._key(model, sample)
         if key is None:
+            if is_torch_ddp(ddp):  # DDP's reducer is idle: these gradients are the engine's too
+                self._setup(model)
+                return self._eager(model, sample, compute, sync, None)
             self.stats["eager"] += 1
             self._eager_ran()
             return compute(model, sample)
         self._setup(model)
-        ddp = legacy_ddp_of(model) if self.bucket_mb > 0 else None
-        sync = ddp is not None and not ddp.accumulate_grads  # an update's last micro-batch
         if self._pending is not None:
             if self._pending() is not None:  # a replayed loss still waits for its backward
-                return self._eager(model, sample, compute, sync and ddp, key)
+                return self._eager(model, sample, compute, sync, key)
             self._pending = None
         self._check_aliases()  # drops the graphs if a parameter's storage was replaced
         graphs = self._graphs.get(key)
         if graphs is None:
             if not self.policy.capture(*key):
                 if not (self.policy.first_sighting and self.memory == "compact"):
-                    return self._eager(model, sample, compute, sync and ddp, key)
+                    return self._eager(model, sample, compute, sync, key)
                 self._grow_lazy_state(model, sample, compute)
             # under legacy DDP the graphs keep adding: each bucket's all-reduce waits on the
             # event recorded after its add, which a later micro-batch's replay must not undo
@@ -274,11 +285,20 @@ class CudaGraphedLoss:
         else:
             self._graphs.move_to_end(key)
             self._memory.graph_step()
-        if sync:
-            self._expect_reduce(ddp, graphs.ready)
+        if sync is not None:
+            self._expect_reduce(sync, graphs.ready)
         return self._replay_forward(graphs, sample)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _inside_torch_ddp(self, ddp):
+        """The model inside torch DDP, which every training step runs (see the module doc)."""
+        if not self.stats["inside_torch_ddp"]:
+            logger.info("--ls-cuda-graphs: under torch DDP (--ddp-backend c10d/pytorch_ddp) the "
+                        "training steps run inside DDP and the engine all-reduces the gradients "
+                        "itself (flat buffers, DDP's process group; same average)")
+        self.stats["inside_torch_ddp"] += 1
+        return ddp.module
 
     def _key(self, model, sample):
         """Shape key of a graphable call, (signature, shapes), or None when this call must run
@@ -309,8 +329,9 @@ class CudaGraphedLoss:
         self._eager_ran()
         self.flat_gradients.bind(self.flat_gradients.fresh())
         out = compute(model, sample)
-        self.policy.ran(*key)
-        if not sync_ddp:
+        if key is not None:
+            self.policy.ran(*key)
+        if sync_ddp is None:
             return out
         self._expect_reduce(sync_ddp, None)
         return (_EagerBackward.apply(self, out[0]),) + tuple(out[1:])
@@ -360,10 +381,12 @@ class CudaGraphedLoss:
 
     def _all_reduce(self):
         pending, self._reduce = self._reduce, None
-        if not self.flat_gradients.bound():
-            return  # a .grad someone else allocated: ls_adam's all_reduce_grads decides
         ddp, buckets = pending.ddp, self._buckets
-        reduce = self.reduce_bucket or grad_buckets.legacy_reduce(ddp.world_size,
+        if not self.flat_gradients.bound():
+            if is_torch_ddp(ddp):  # DDP's hooks are idle: nobody else reduces these
+                self._all_reduce_each(ddp)
+            return  # legacy DDP: a .grad someone else allocated; all_reduce_grads decides
+        reduce = self.reduce_bucket or grad_buckets.legacy_reduce(world_size(ddp),
                                                                   ddp.process_group)
         ready = pending.ready or [None] * len(buckets.buckets)
         buckets.issue(self._flats, ready, reduce)
@@ -373,6 +396,16 @@ class CudaGraphedLoss:
                         f"buckets (--ls-all-reduce-bucket-mb {self.bucket_mb:g}) as the backward "
                         f"completes them")
         self.stats["overlapped_all_reduce"] += 1
+
+    def _all_reduce_each(self, ddp):
+        """Under torch DDP, gradients not all in the flat buffers (a ``.grad`` someone else
+        allocated): each parameter's, averaged as DDP would have done."""
+        n = world_size(ddp)
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.div_(n)
+                torch.distributed.all_reduce(p.grad, group=ddp.process_group)
+        self.flat_gradients.all_reduced = True
 
     def _start_accumulating(self):
         """Updates have several micro-batches (--update-freq): from now on backward graphs add

@@ -77,7 +77,7 @@ class ShapeBuckets:
             # multiple of a power of two (--required-seq-len-multiple) stay multiples of it
             raise ValueError(f"--ls-shape-buckets must be 0 (no padding) or a power of two, "
                              f"got {steps}")
-        if slack < 0:
+        if not slack >= 0:  # NaN too
             raise ValueError(f"--ls-shape-bucket-slack must be >= 0, got {slack}")
         self.steps, self.slack, self.tokens = steps, slack, tokens
         self.shapes: List[Shape] = []  # padded shapes chosen so far, in order of first use

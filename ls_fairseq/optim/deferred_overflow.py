@@ -32,9 +32,10 @@ logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes on
 With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
 once per ``--fp16-scale-window`` updates).
 
-On several GPUs the option needs the criterion's ``--ls-async-stats``: fairseq's own check that the
-workers' grad norms agree treats a non-finite norm as a disagreement and stops the run, and with
-this option the trainer does see the norm of an overflowing update.
+On several GPUs the option needs the criterion's async stats (on by default,
+``ls_fairseq.distributed_stats``): fairseq's own check that the workers' grad norms agree treats
+a non-finite norm as a disagreement and stops the run, and with this option the trainer does see
+the norm of an overflowing update.
 """
 import logging
 import math
@@ -66,16 +67,26 @@ def guarded_factor(total_norm: torch.Tensor, multiply_factor, max_norm: float):
 
 def grad_norm_check_conflict(cfg):
     """Why the deferred check cannot run, or None: a run of several workers needs fairseq's
-    grad-norm agreement check replaced (``ls_label_smoothed_cross_entropy --ls-async-stats``,
-    ``ls_fairseq.distributed_stats``), which would otherwise stop it at the first overflow.
-    ``cfg`` is the trainer's whole config."""
+    grad-norm agreement check replaced (async stats of ``ls_label_smoothed_cross_entropy``, on by
+    default: ``ls_fairseq.distributed_stats``), which would otherwise stop it at the first
+    overflow. ``cfg`` is the trainer's whole config."""
     if not several_workers():
         return None
-    if getattr(getattr(cfg, "criterion", None), "ls_async_stats", False):
-        return None
-    return ("on several GPUs it needs --criterion ls_label_smoothed_cross_entropy "
-            "--ls-async-stats (fairseq's check that the workers' grad norms agree would stop the "
-            "run at the first fp16 overflow)")
+    criterion = getattr(cfg, "criterion", None)
+    has_async_stats = hasattr(criterion, "ls_no_async_stats") or \
+        getattr(criterion, "ls_async_stats", False)
+    if not has_async_stats:
+        return ("on several GPUs it needs --criterion ls_label_smoothed_cross_entropy (its async "
+                "stats replace fairseq's check that the workers' grad norms agree, which would "
+                "stop the run at the first fp16 overflow)")
+    if getattr(criterion, "ls_no_async_stats", False):
+        return ("--ls-no-async-stats keeps fairseq's check that the workers' grad norms agree, "
+                "which would stop the run at the first fp16 overflow")
+    mp = getattr(getattr(cfg, "common", None), "model_parallel_size", 1)
+    if isinstance(mp, int) and mp > 1:
+        return ("async stats step aside under model parallelism, and fairseq's check that the "
+                "workers' grad norms agree would stop the run at the first fp16 overflow")
+    return None
 
 
 def _plain(x):

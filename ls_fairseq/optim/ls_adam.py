@@ -95,7 +95,8 @@ class FairseqLSAdam(FairseqOptimizer):
         """Under ``--ddp-backend legacy_ddp``/``no_c10d`` with flat gradients (``--ls-cuda-graphs``
         replays): one in-place all-reduce per buffer instead of fairseq's copy loops
         (:mod:`ls_fairseq.graphs.flat_all_reduce`), or none where the engine already issued it
-        during the backward (the model's ``graphs.flat_gradients_of(module).all_reduced``).
+        during the backward (the model's ``graphs.flat_gradients_of(module).all_reduced``, also
+        under torch DDP, where the engine always does).
         fairseq's FP16 wrappers call this method of their inner optimizer with the trainer's
         model."""
         if flat_all_reduce.all_reduce_flat(module):

@@ -14,6 +14,7 @@ the same masks as the eager step (same tolerances). Attention query/key projecti
 are measured against their block's value-projection gradient (``fairseq_helpers.grad_err``:
 they are rounding error where the softmax gradient cancels).
 """
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -489,7 +490,9 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
         assert _rel(p2.grad, 3 * p1.grad) <= 1e-5, k
 
 
-def _two_gpu_worker(rank):
+def _multi_gpu_worker(rank, wrapper, world):
+    """``wrapper``: "legacy" (fairseq's LegacyDistributedDataParallel) or "torch" (torch DDP,
+    fairseq's default backend: the engine runs the steps inside DDP and all-reduces itself)."""
     import torch.distributed as dist
     from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
 
@@ -497,34 +500,65 @@ def _two_gpu_worker(rank):
 
     dictionary = make_dictionary(203)
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.05)
-    wrapped = ModuleProxyWrapper(LegacyDistributedDataParallel(m2, dist.group.WORLD))
+    if wrapper == "torch":
+        inner = torch.nn.parallel.DistributedDataParallel(m2, device_ids=[rank])
+    else:
+        inner = LegacyDistributedDataParallel(m2, dist.group.WORLD)
+    wrapped = ModuleProxyWrapper(inner)
     # the ranks see shapes in different orders, so one replays while the other runs eagerly
-    shapes = {0: [(4, 9, 7), (4, 9, 7), (6, 5, 12), (4, 9, 7), (6, 5, 12), (6, 5, 12)],
-              1: [(6, 5, 12), (4, 9, 7), (6, 5, 12), (6, 5, 12), (4, 9, 7), (4, 9, 7)]}
+    order = [(4, 9, 7), (4, 9, 7), (6, 5, 12), (4, 9, 7), (6, 5, 12), (6, 5, 12)]
+    shapes = {r: order[r:] + order[:r] for r in range(world)}
+    # then two updates of two micro-batches each (--update-freq 2: no_sync on the first)
+    pair = [(4, 9, 7), (6, 5, 12)]
+    micro_batches = [1] * 6 + [2, 2]
     worst = 0.0
-    for u in range(6):
-        mine = _sample(dictionary, shapes[rank][u], 700 + 10 * u + rank)
-        both = [_sample(dictionary, shapes[r][u], 700 + 10 * u + r) for r in (0, 1)]
+    for u, n in enumerate(micro_batches):
+        def batch(r, i):
+            shape = shapes[r][u] if n == 1 else pair[(i + r) % 2]
+            return _sample(dictionary, shape, 700 + 10 * u + 3 * i + r)
         want = {}
-        for sample in both:  # the reference: both ranks' gradients, averaged, on this GPU
-            _, g = _step(eager, m1, [sample], 1.0, seed=u)
+        for r in range(world):  # the reference: every rank's gradients, averaged, on this GPU
+            _, g = _step(eager, m1, [batch(r, i) for i in range(n)], 1.0, seed=u)
             for k, v in g.items():
-                want[k] = want.get(k, 0) + v / 2
+                want[k] = want.get(k, 0) + v / world
         for p in m2.parameters():
             p.grad = None
-        loss, _, _ = graphed(wrapped, mine)
-        loss.backward()
+        for i in range(n):
+            last = i == n - 1
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                loss, _, _ = graphed(wrapped, batch(rank, i))
+                loss.backward()
         assert flat_all_reduce.all_reduce_flat(wrapped)
         for k, p in m2.named_parameters():
             worst = max(worst, _rel(p.grad, want[k]))
-    return {"worst": worst, "stats": dict(graphed.graphs.stats)}
+    # validation goes through the wrapper's own forward (no gradients)
+    m2.eval()
+    with torch.no_grad():
+        val_loss, _, _ = graphed(wrapped, batch(rank, 0))
+    return {"worst": worst, "stats": dict(graphed.graphs.stats),
+            "val_finite": bool(torch.isfinite(val_loss))}
 
 
+@pytest.mark.parametrize("wrapper", ["legacy", "torch"])
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_bucketed_all_reduce_matches_the_averaged_gradients(tmp_path):
-    """Two processes, NCCL, legacy DDP, different batches per rank: after each update both ranks
-    hold the average of the two ranks' eager gradients (relative 1e-5, fp32), whether a rank
-    replayed or ran eagerly (the ranks' shape orders differ, so both mixes occur)."""
-    for rank, r in enumerate(run_workers(tmp_path, _two_gpu_worker, backend="nccl")):
+def test_two_gpus_bucketed_all_reduce_matches_the_averaged_gradients(tmp_path, wrapper):
+    """Two processes, NCCL, legacy or torch DDP, different batches per rank, updates of one and
+    of two micro-batches: after each update both ranks hold the average of the two ranks' eager
+    gradients (relative 1e-5, fp32: the same sums in another order), whether a rank replayed or
+    ran eagerly (the ranks' shape orders differ, so both mixes occur). Under torch DDP a second
+    reduction by DDP's own hooks would halve the gradients and fail this."""
+    for rank, r in enumerate(run_workers(tmp_path, _multi_gpu_worker, wrapper, 2,
+                                         backend="nccl")):
         assert r["worst"] <= 1e-5, (rank, r)
-        assert r["stats"]["overlapped_all_reduce"] == 6 and r["stats"]["replayed"] >= 2, r
+        assert r["stats"]["overlapped_all_reduce"] == 8 and r["stats"]["replayed"] >= 4, r
+        assert r["val_finite"], r
+        assert bool(r["stats"].get("inside_torch_ddp")) == (wrapper == "torch"), r
+
+
+def test_torch_ddp_one_gpu(tmp_path):
+    """The torch-DDP path of the engine on one GPU (a process group of one): the gradients are
+    the eager ones, replayed and eager steps alike, with update-freq 1 and 2."""
+    [r] = run_workers(tmp_path, _multi_gpu_worker, "torch", 1, world=1, backend="nccl")
+    assert r["worst"] <= 1e-5, r
+    assert r["stats"]["overlapped_all_reduce"] == 8 and r["stats"]["replayed"] >= 4, r
+    assert r["stats"]["inside_torch_ddp"] >= 10 and r["val_finite"], r

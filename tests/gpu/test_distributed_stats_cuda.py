@@ -25,7 +25,7 @@ _HOST_GROUP = []  # the worker's gloo group, for the barrier before each probe
 
 def _trainer(rank, group):
     return SimpleNamespace(
-        _criterion=SimpleNamespace(ls_async_stats=True), data_parallel_world_size=2,
+        _criterion=SimpleNamespace(ls_async_stats="on"), data_parallel_world_size=2,
         data_parallel_rank=rank, data_parallel_process_group=group, tpu=False,
         _grad_norm_buf=torch.zeros(2, dtype=torch.float64, device="cuda"),
         cfg=SimpleNamespace(common=SimpleNamespace(amp=False, all_gather_list_size=16384)))

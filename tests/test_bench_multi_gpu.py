@@ -1,0 +1,364 @@
+"""bench/multi_gpu.py's host-side logic (no GPU): throughput by wall clock over whole epochs from
+fairseq's end-of-epoch lines and the sitecustomize's epoch-end stamps (also in a tiny real
+fairseq-train on CPU), each rank's held-memory line (the sitecustomize's sampler run with a fake
+CUDA), and the scaling rows, ratios, table and --json file that main() assembles."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import e2e  # bench/ (pytest.ini's pythonpath)
+import multi_gpu
+
+# The end of a 2-GPU run's log as fairseq-train prints it (--log-format json, log interval 10):
+# the spawned workers log in logging's default format, rank 0 only; the sitecustomize's lines
+# come from both ranks (rank 1's clock differs), with NCCL noise between them. Long lines are
+# continued with a backslash (no newline in the string).
+TWO_GPU_LOG = """\
+INFO:fairseq_cli.train:Start iterating over samples
+INFO:train_inner:{"epoch": 1, "update": 0.962, "loss": "11.873", "nll_loss": "11.801", \
+"ppl": "3568.4", "wps": "301212", "ups": "7.58", "wpb": "39741.3", "bsz": "1266.2", \
+"num_updates": "230", "lr": "4.03e-05", "gnorm": "2.913", "loss_scale": "16", "train_wall": "1", \
+"gb_free": "61.4", "wall": "40"}
+INFO:fairseq_cli.train:end of epoch 1 (average epoch stats below)
+INFO:train:{"epoch": 1, "train_loss": "12.94", "train_nll_loss": "12.87", "train_ppl": "7489.6", \
+"train_wps": "236212", "train_ups": "5.94", "train_wpb": "39752.6", "train_bsz": "1268.4", \
+"train_num_updates": "236", "train_lr": "4.13e-05", "train_gnorm": "3.114", \
+"train_loss_scale": "16", "train_train_wall": "31", "train_gb_free": "61.2", "train_wall": "41"}
+BENCH_EPOCH_END rank=0 1000.25
+BENCH_EPOCH_END rank=1 1000.31
+host:123:456 [1] NCCL INFO comm 0x55d1 rank 1 nranks 2 - BENCH_EPOCH_END rank=0 1.0
+INFO:fairseq.trainer:begin training epoch 2
+INFO:train_inner:{"epoch": 2, "update": 1.975, "loss": "10.412", "nll_loss": "10.233", \
+"ppl": "1203.5", "wps": "437150", "ups": "11", "wpb": "39741.9", "bsz": "1266.8", \
+"num_updates": "470", "lr": "8.23e-05", "gnorm": "1.612", "loss_scale": "16", "train_wall": "1", \
+"gb_free": "61.3", "wall": "62"}
+INFO:fairseq_cli.train:end of epoch 2 (average epoch stats below)
+INFO:train:{"epoch": 2, "train_loss": "10.77", "train_nll_loss": "10.61", "train_ppl": "1562.8", \
+"train_wps": "421870", "train_ups": "10.61", "train_wpb": "39750.1", "train_bsz": "1268.4", \
+"train_num_updates": "472", "train_lr": "8.27e-05", "train_gnorm": "1.733", \
+"train_loss_scale": "16", "train_train_wall": "21", "train_gb_free": "61.2", "train_wall": "63"}
+BENCH_EPOCH_END rank=1 1022.61
+BENCH_EPOCH_END rank=0 1022.5
+INFO:fairseq.trainer:begin training epoch 3
+INFO:train_inner:{"epoch": 3, "update": 2.992, "loss": "9.334", "nll_loss": "9.101", \
+"ppl": "549.2", "wps": "441002", "ups": "11.1", "wpb": "39748.2", "bsz": "1267.9", \
+"num_updates": "700", "lr": "0.000122", "gnorm": "1.201", "loss_scale": "16", "train_wall": "1", \
+"gb_free": "61.2", "wall": "84"}
+INFO:fairseq_cli.train:end of epoch 3 (average epoch stats below)
+INFO:train:{"epoch": 3, "train_loss": "9.52", "train_nll_loss": "9.30", "train_ppl": "630.1", \
+"train_wps": "435911", "train_ups": "10.97", "train_wpb": "39749.8", "train_bsz": "1268.4", \
+"train_num_updates": "708", "train_lr": "0.000124", "train_gnorm": "1.254", \
+"train_loss_scale": "16", "train_train_wall": "21", "train_gb_free": "61.2", "train_wall": "85"}
+BENCH_EPOCH_END rank=0 1044.0
+BENCH_EPOCH_END rank=1 1044.12
+INFO:fairseq_cli.train:done training in 84.1 seconds
+BENCH_RANK_MEMORY rank=1 reserved_max=21474836480 used_max=23622320128
+BENCH_RANK_MEMORY rank=0 reserved_max=22548578304 used_max=24696061952
+"""
+# its figures: (num_updates, wpb, wall field) per epoch line, rank 0's stamps
+EPOCHS = [(236, 39752.6, 41), (472, 39750.1, 63), (708, 39749.8, 85)]
+STAMPS = [1000.25, 1022.5, 1044.0]
+
+
+def _tokens(epochs):
+    """Each epoch's target tokens: wpb x the updates since the previous epoch's end."""
+    before = [0] + [u for u, _, _ in epochs]
+    return [wpb * (u - b) for (u, wpb, _), b in zip(epochs, before)]
+
+
+def test_epoch_throughput_is_tokens_over_the_wall_clock_between_epoch_ends():
+    tokens = _tokens(EPOCHS)
+    got = multi_gpu.epoch_wps(TWO_GPU_LOG)
+    assert got["updates_by_epoch"] == [236, 236, 236] and got["updates_per_epoch"] == 236
+    assert got["tokens_by_epoch"] == pytest.approx(tokens)
+    assert got["epochs_steady"] == [2, 3] and got["epochs_complete"] == 3
+    # epoch 1 from the trainer's start (fairseq's wall field), then rank 0's stamps
+    assert got["wall_source"] == "epoch-end stamps"
+    assert got["wall_by_epoch_s"] == pytest.approx(
+        [EPOCHS[0][2], STAMPS[1] - STAMPS[0], STAMPS[2] - STAMPS[1]])
+    assert got["wps_epoch1_wall"] == pytest.approx(tokens[0] / EPOCHS[0][2])
+    assert got["wps_steady_wall"] == pytest.approx((tokens[1] + tokens[2]) /
+                                                   (STAMPS[2] - STAMPS[0]))
+    assert got["wps_by_epoch_fairseq"] == [236212.0, 421870.0, 435911.0]
+
+
+def test_without_a_stamp_per_epoch_the_wall_fields_time_the_epochs():
+    tokens = _tokens(EPOCHS)
+    walls = [w for _, _, w in EPOCHS]
+    for log in (
+            "\n".join(l for l in TWO_GPU_LOG.splitlines() if "BENCH_EPOCH_END" not in l),
+            # rank 0's last stamp lost (a killed run's output): the stamps do not pair up
+            TWO_GPU_LOG.replace("BENCH_EPOCH_END rank=0 1044.0\n", "")):
+        got = multi_gpu.epoch_wps(log)
+        assert got["wall_source"] == "fairseq wall field"
+        assert got["wall_by_epoch_s"] == pytest.approx([walls[0], walls[1] - walls[0],
+                                                        walls[2] - walls[1]])
+        assert got["wps_steady_wall"] == pytest.approx((tokens[1] + tokens[2]) /
+                                                       (walls[2] - walls[0]))
+
+
+def test_a_last_epoch_cut_short_by_max_update_is_not_steady():
+    # a 1-GPU run (fairseq-train's own format) that --max-update stopped 50 updates into epoch 3
+    lines = []
+    for epoch, (updates, wpb, wall), stamp in zip(
+            (1, 2, 3), [(190, 7910.4, 30), (380, 7905.2, 51), (430, 7850.0, 57)],
+            (500.0, 521.5, 527.5)):
+        if epoch == 3:
+            lines.append("2026-11-27 10:00:57 | INFO | fairseq_cli.train | Stopping training due "
+                         "to num_updates: 430 >= 430")
+        lines += [f"2026-11-27 10:00:{wall:02d} | INFO | fairseq_cli.train | end of epoch {epoch} "
+                  f"(average epoch stats below)",
+                  f"2026-11-27 10:00:{wall:02d} | INFO | train | " + json.dumps(
+                      {"epoch": epoch, "train_wps": "1", "train_wpb": str(wpb),
+                       "train_num_updates": str(updates), "train_wall": str(wall)}),
+                  f"BENCH_EPOCH_END rank=0 {stamp}"]
+    got = multi_gpu.epoch_wps("\n".join(lines) + "\n")
+    assert got["updates_by_epoch"] == [190, 190, 50]
+    assert got["epochs_complete"] == 2 and got["epochs_steady"] == [2]
+    assert got["updates_per_epoch"] == 190
+    assert got["wps_steady_wall"] == pytest.approx(7905.2 * 190 / (521.5 - 500.0))
+
+
+def test_each_ranks_memory_line_is_read():
+    assert multi_gpu.rank_memory(TWO_GPU_LOG) == [
+        {"rank": 0, "reserved_max_bytes": 22548578304, "used_max_bytes": 24696061952},
+        {"rank": 1, "reserved_max_bytes": 21474836480, "used_max_bytes": 23622320128}]
+    assert multi_gpu.rank_memory("noise BENCH_RANK_MEMORY rank=0 reserved_max=1 used_max=2\n") == []
+
+
+# The sitecustomize run in a process whose CUDA is faked: its n-th peak reset (0-based) sees
+# RESERVED[n] reserved and USED[n] used bytes. Spikes at unsampled calls show the sampling.
+RESERVED = [1000 + 10 * n + (10**6 if n == 5 else 0) for n in range(25)]
+USED = [5000 + (3000 if n == 10 else 7 * n) for n in range(25)]
+_FAKE_CUDA = """
+import os, sys, torch
+state = {"n": -1}
+torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+torch.cuda.memory_reserved = lambda *a, **k: RESERVED[state["n"]]
+torch.cuda.mem_get_info = lambda *a, **k: (TOTAL - USED[state["n"]], TOTAL)
+if os.environ.get("INIT_DIST"):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=os.environ["INIT_DIST"], rank=0, world_size=1)
+exec(compile(open(os.environ["SITE"]).read(), "sitecustomize", "exec"), {})
+for n in range(int(os.environ["CALLS"])):
+    state["n"] = n
+    torch.cuda.reset_peak_memory_stats()
+"""
+
+
+def _run_site(tmp_path, calls, **env):
+    site = tmp_path / "sitecustomize.py"
+    site.write_text(multi_gpu._SITECUSTOMIZE)
+    script = f"RESERVED = {RESERVED}\nUSED = {USED}\nTOTAL = 10**7\n" + _FAKE_CUDA
+    env = dict(os.environ, SITE=str(site), CALLS=str(calls), BENCH_HELD_MEMORY="1", **env)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_sitecustomize_prints_each_ranks_held_memory_at_exit(tmp_path):
+    sampled = range(0, 25, 10)  # every 10th reset, from the first (as e2e.WRAPPER)
+    out = _run_site(tmp_path, 25, LOCAL_RANK="1")
+    assert multi_gpu.rank_memory(out) == [{
+        "rank": 1, "reserved_max_bytes": max(RESERVED[n] for n in sampled),
+        "used_max_bytes": max(USED[n] for n in sampled)}]
+    # an initialised process group names the rank
+    init = (tmp_path / "pg").as_uri()
+    assert [m["rank"] for m in multi_gpu.rank_memory(
+        _run_site(tmp_path, 3, LOCAL_RANK="1", INIT_DIST=init))] == [0]
+    # the parent of spawned ranks never trains: no line that could pass for rank 0's
+    assert "BENCH_RANK_MEMORY" not in _run_site(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_a_real_fairseq_train_stamps_every_epoch_end(tmp_path):
+    """The stamps come from patching fairseq.logging.metrics as it is imported: a real (tiny,
+    CPU) fairseq-train must print exactly one per end-of-epoch line, or the steady figure
+    silently falls back to the whole-second wall fields; the time between two stamps is the
+    time fairseq's own epoch wps meter ran (within the logging of one line)."""
+    e2e.make_corpus(str(tmp_path), 120, 300)
+    data = e2e.preprocess(str(tmp_path), 1)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(multi_gpu._SITECUSTOMIZE)
+    cmd = [sys.executable, "-c", multi_gpu.WRAPPER, data, "--arch", "transformer_iwslt_de_en",
+           "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
+           "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+           "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+           "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "1e-3",
+           "--max-tokens", "300", "--max-epoch", "3", "--cpu", "--no-save",
+           "--disable-validation", "--log-format", "json", "--log-interval", "2",
+           "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy"]
+    env = dict(os.environ, PYTHONPATH=str(site), BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    got = multi_gpu.epoch_wps(log)
+    assert got["epochs_logged"] == 3 and len(multi_gpu.epoch_ends(log)) == 3
+    assert got["wall_source"] == "epoch-end stamps"
+    for tokens, seconds, wps in list(zip(got["tokens_by_epoch"], got["wall_by_epoch_s"],
+                                         got["wps_by_epoch_fairseq"]))[1:]:
+        assert tokens / seconds == pytest.approx(wps, rel=0.05)
+    assert multi_gpu.rank_memory(log) == []  # CPU: fairseq never resets a CUDA peak counter
+
+
+# --------------------------------------------------------------------------------------------
+# main(): the rows, ratios, table and JSON
+# --------------------------------------------------------------------------------------------
+
+def fake_log(gpus, updates, wpb, seconds, reserved=0, losses=()):
+    """A fairseq-train log of len(seconds) epochs of ``updates`` updates and ``wpb`` target tokens
+    per update (all GPUs), epoch e lasting seconds[e] (stamped by every rank, the wall field in
+    whole seconds), then each rank's memory line; ``losses``: (update, loss) interval lines."""
+    worker = gpus > 1
+    tag = (lambda name: f"INFO:{name}:") if worker else (
+        lambda name: f"2026-11-27 10:00:00 | INFO | {name} | ")
+    lines, clock = [], 100.0
+    for u, loss in losses:
+        lines.append(tag("train_inner") + json.dumps(
+            {"epoch": 1, "loss": str(loss), "wps": "1000", "wpb": str(wpb),
+             "num_updates": str(u)}))
+    for e, s in enumerate(seconds, 1):
+        clock += s
+        lines += [tag("fairseq_cli.train") + f"end of epoch {e} (average epoch stats below)",
+                  tag("train") + json.dumps(
+                      {"epoch": e, "train_wps": str(round(updates * wpb / s)),
+                       "train_wpb": str(wpb), "train_num_updates": str(e * updates),
+                       "train_wall": str(round(clock - 100.0))})]
+        lines += [f"BENCH_EPOCH_END rank={r} {clock!r}" for r in range(gpus)]
+    lines += [f"BENCH_RANK_MEMORY rank={r} reserved_max={reserved + r} used_max={reserved + 2**30}"
+              for r in range(gpus)]
+    return "\n".join(lines) + "\n"
+
+
+# (variant, gpus) -> (updates per epoch, wpb, seconds of epochs 1 and 2)
+RUNS = {("baseline", 1): (400, 8000.0, [70.0, 40.0]), ("baseline", 2): (200, 16000.0, [50.0, 22.0]),
+        ("baseline_nocudnn", 1): (400, 8000.0, [45.0, 42.0]),
+        ("baseline_nocudnn", 2): (200, 16000.0, [30.0, 23.0]),
+        ("ls", 1): (400, 8000.0, [30.0, 16.0]), ("ls", 2): (200, 16000.0, [20.0, 8.5]),
+        ("ls_graphs", 1): (400, 8000.0, [30.0, 16.0]), ("ls_graphs", 2): (150, 16000.0, [1, 1])}
+
+
+def _steady(variant, gpus):
+    updates, wpb, seconds = RUNS[(variant, gpus)]
+    return updates * wpb / seconds[1], updates * wpb / seconds[0]
+
+
+@pytest.fixture
+def fake_runs(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
+                   backend="pytorch_ddp", env_extra=None, epochs=100):
+        calls.append((variant, max_tokens, gpus, update_freq, updates, backend, epochs))
+        if variant == "ls_graphs" and gpus == 2:
+            raise RuntimeError("Traceback: NCCL error")
+        if update_freq == 1 and updates is None:  # a scaling run
+            u, wpb, s = RUNS[(variant, gpus)]
+            return fake_log(gpus, u, wpb, s[:epochs], reserved=(gpus * 10 + 1) * 2**30)
+        # a correctness run: the N-GPU and 1-GPU curves differ by 0.01 at update 20
+        shift = 0.01 if gpus == 1 and updates == 200 else 0.0
+        log = fake_log(gpus, 100, 9000.0, [10.0, 10.0],
+                       losses=[(10, 12.5), (20, 11.25 + shift), (30, 10.0)])
+        if updates == 210:
+            log += ("2026-11-27 10:00:00 | INFO | fairseq.trainer | Loaded checkpoint "
+                    "/tmp/mg_multi/checkpoint_last.pt (epoch 3 @ 200 updates)\n")
+        return log
+
+    monkeypatch.setattr(multi_gpu, "train", fake_train)
+    monkeypatch.setattr(multi_gpu, "corpus", lambda *a, **k: str(tmp_path))
+    monkeypatch.setattr(multi_gpu, "gpu_names", lambda: ["NVIDIA H100 80GB HBM3"] * 2)
+    monkeypatch.setenv("LS_BENCH_COMMIT", "abc1234")
+    return calls
+
+
+def test_scaling_rows_ratios_table_and_json(fake_runs, monkeypatch, tmp_path, capsys):
+    out_json, out_md = tmp_path / "mg.json", tmp_path / "mg.md"
+    argv = ["--gpus", "2", "--skip-correctness", "--max-tokens", "8192", "--json", str(out_json),
+            "--markdown", str(out_md),
+            "--scaling-variants", "baseline:pytorch_ddp,baseline_nocudnn:pytorch_ddp,"
+                                  "ls:pytorch_ddp,ls_graphs:legacy_ddp:2"]
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py"] + argv)
+    multi_gpu.main()
+    saved = json.loads(out_json.read_text())
+    assert saved["device"] == "NVIDIA H100 80GB HBM3" and saved["commit"] == "abc1234"
+    assert saved["command"] == "python bench/multi_gpu.py " + " ".join(argv)
+    assert saved["correctness"] is None and saved["scaling"]["epochs"] == 2
+    rows = {(r["variant"], r["gpus"]): r for r in saved["scaling"]["rows"]}
+    assert list(rows)[:6] == [(v, g) for v in ("baseline", "baseline_nocudnn", "ls")
+                              for g in (1, 2)]
+    # the default 2 epochs of each run, no --max-update, update-freq 1
+    assert {c[4] for c in fake_runs} == {None} and {c[6] for c in fake_runs} == {2}
+    for (variant, gpus), r in rows.items():
+        if "error" in r:
+            continue
+        steady, first = _steady(variant, gpus)
+        assert (r["max_tokens"], r["ddp_backend"]) == (8192, "legacy_ddp" if variant == "ls_graphs"
+                                                       else "pytorch_ddp")
+        assert r["wps_steady_wall"] == pytest.approx(steady)
+        assert r["wps_epoch1_wall"] == pytest.approx(first)
+        assert r["updates_per_epoch"] == RUNS[(variant, gpus)][0] and r["epochs_steady"] == [2]
+        assert [m["rank"] for m in r["memory_by_rank"]] == list(range(gpus))
+        assert r["memory_by_rank"][0]["reserved_max_bytes"] == (gpus * 10 + 1) * 2**30
+        if gpus == 2:
+            assert r["scaling_steady"] == pytest.approx(steady / _steady(variant, 1)[0])
+            assert r["scaling_epoch1"] == pytest.approx(first / _steady(variant, 1)[1])
+            assert r["tokens_per_epoch_vs_1gpu"] == pytest.approx(1.0)
+        else:
+            assert r["scaling_steady"] is None
+    for gpus in (1, 2):
+        best = max(("baseline", "baseline_nocudnn"), key=lambda v: _steady(v, gpus)[0])
+        ls = rows[("ls", gpus)]
+        assert ls["best_baseline_steady"] == best
+        assert ls["ls_over_best_baseline_steady"] == pytest.approx(
+            _steady("ls", gpus)[0] / _steady(best, gpus)[0])
+        assert rows[("baseline", gpus)]["ls_over_best_baseline_steady"] is None
+    assert "NCCL error" in rows[("ls_graphs", 2)]["error"]
+    text = out_md.read_text()
+    assert "| 8192 | ls | pytorch_ddp | 2 | 200 | 2 |" in text
+    assert "| 8192 | ls_graphs | legacy_ddp | 2 | FAILED:" in text
+    printed = capsys.readouterr().out
+    # every 2-GPU run has 200 updates per epoch: no warning; 1-GPU runs 400
+    assert "WARNING: ls_graphs (legacy_ddp), 2 GPU(s), max-tokens 8192: FAILED" in printed
+    assert "updates per epoch, under the 200" not in printed
+
+
+def test_fewer_than_200_updates_per_epoch_is_warned():
+    row = multi_gpu.scaling_row(fake_log(2, 150, 16000.0, [5.0, 4.0]), 16384, "ls",
+                                "pytorch_ddp", 2, 2)
+    assert row["updates_per_epoch"] == 150
+    assert any("150 updates per epoch, under the 200" in w for w in multi_gpu.row_warnings(row))
+    one = multi_gpu.scaling_row(fake_log(1, 300, 8000.0 * 1.2, [5.0, 4.0]), 16384, "ls",
+                                "pytorch_ddp", 1, 2)
+    multi_gpu.add_ratios([one, row])
+    # 150 x 16000 tokens per epoch against 300 x 9600 on one GPU: the N-GPU wpb is not a sum
+    assert row["tokens_per_epoch_vs_1gpu"] == pytest.approx(150 * 16000.0 / (300 * 9600.0))
+    assert any("target tokens per epoch" in w for w in multi_gpu.row_warnings(row))
+
+
+def test_correctness_results_are_data(fake_runs, monkeypatch, tmp_path):
+    out_json = tmp_path / "mg.json"
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-scaling",
+                                      "--json", str(out_json)])
+    multi_gpu.main()
+    c = json.loads(out_json.read_text())["correctness"]
+    assert (c["variant"], c["ddp_backend"], c["updates"]) == ("ls", "pytorch_ddp", 200)
+    # the N-GPU run (update-freq 1) against 1 GPU (update-freq 2), both under pytorch_ddp
+    assert ("ls", 8192, 2, 1, 200, "pytorch_ddp", 100) in fake_runs
+    assert ("ls", 8192, 1, 2, 200, "pytorch_ddp", 100) in fake_runs
+    assert c["loss_n_gpus"] == [[10, 12.5], [20, 11.25], [30, 10.0]]
+    assert c["largest_gap"] == pytest.approx(0.01) and c["largest_gap_update"] == 20
+    assert c["resumed_on_1_gpu"] is True
+    assert [b["ddp_backend"] for b in c["other_backends"]] == ["legacy_ddp", "no_c10d"]
+    assert all(b["trains"] for b in c["other_backends"])
+
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--skip-scaling", "--json", str(out_json),
+                                      "--correctness-backend", "legacy_ddp"])
+    multi_gpu.main()
+    c = json.loads(out_json.read_text())["correctness"]
+    assert c["ddp_backend"] == "legacy_ddp"
+    assert [b["ddp_backend"] for b in c["other_backends"]] == ["pytorch_ddp", "no_c10d"]
