@@ -28,23 +28,14 @@ from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E40
 )
 from ls_fairseq.criterions.host_scalars import to_host  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+# ``dictionary`` (203 symbols) and ``kernels_required`` come from tests/gpu/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_required")]
 
 SMALL = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "64",
          "--encoder-ffn-embed-dim", "136", "--encoder-attention-heads", "4",
          "--decoder-attention-heads", "4", "--share-all-embeddings"]
 SHAPES = [(8, 13, 11), (5, 29, 31), (8, 13, 11), (3, 7, 40), (5, 29, 31), (8, 13, 11),
           (8, 13, 11), (3, 7, 40)]
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return make_dictionary(203)
-
-
-@pytest.fixture(autouse=True)
-def kernels_required(monkeypatch):
-    monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "require")
 
 
 def _sample(dictionary, shape, seed):
@@ -378,7 +369,6 @@ def test_fairseq_train_same_losses(tmp_path, more):
     le, lg = losses(eager), losses(graphed)
     assert len(le) == len(lg) >= 10
     assert max(abs(a - b) for a, b in zip(le, lg)) <= 0.01, (le, lg)
-
 
 
 def test_every_training_step_accumulates_into_the_flat_buffers(dictionary):

@@ -31,9 +31,10 @@ of tests/test_end_to_end.py, started together (one GPU; each start costs ~10-20 
 * ``contradict``: ``--ls-cuda-graphs --ls-no-cuda-graphs`` is refused (non-zero exit status, the
   "contradict" message).
 
-torch DDP (``--ddp-backend c10d``), where the graphs also step aside, needs several workers: on
-one GPU fairseq wraps no DDP, so it is not run here (tests/test_fast_defaults.py covers the
-decision on the CPU).
+On one GPU fairseq wraps no DDP. The graphs under torch DDP (fairseq's default on several GPUs,
+where they run the steps inside DDP and all-reduce themselves) are tested in
+test_cuda_graphs_cuda.py (one process group of one GPU, and two GPUs) and end to end by
+``bench/multi_gpu.py``.
 """
 import math
 import os

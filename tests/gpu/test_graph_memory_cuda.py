@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from fairseq_helpers import DummyTask, build_model  # noqa: E402
-from test_cuda_graphs_cuda import (  # noqa: E402,F401  (the fixtures, shared)
-    SMALL, _assert_replays_match_eager, _sample, dictionary, kernels_required,
-)
+from test_cuda_graphs_cuda import SMALL, _assert_replays_match_eager, _sample  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterion,
 )
 from ls_fairseq.graphs import memory as graph_memory  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+# ``dictionary`` and ``kernels_required`` come from tests/gpu/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_required")]
 
 # enough layers and width that one step's activations are a few hundred MB
 MEDIUM = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "512",

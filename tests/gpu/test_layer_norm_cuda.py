@@ -19,10 +19,7 @@ import torch.nn.functional as F
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops.layer_norm import layer_norm, layer_norm_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (tests/conftest.py)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}

@@ -10,9 +10,10 @@ import copy
 import pytest
 import torch
 
-from fairseq_helpers import build_pair, make_dictionary, random_batch  # noqa: E402
+from fairseq_helpers import build_pair, random_batch  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+# ``dictionary`` (203 symbols) and ``kernels_required`` come from tests/gpu/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_required")]
 
 TINY = [
     "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "64",
@@ -31,16 +32,6 @@ CONFIGS = {
 
 def rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return make_dictionary(203)
-
-
-@pytest.fixture(autouse=True)
-def kernels_required(monkeypatch):
-    monkeypatch.setenv("LS_FAIRSEQ_KERNELS", "require")
 
 
 def _grad_errors(model, truth):
