@@ -112,20 +112,25 @@ def test_interval_stamps_are_read_in_order_from_the_log():
     assert e2e.interval_ends(log) == [12.5, 1250.0]
 
 
+def tiny_cpu_train_args(data, epochs):
+    """fairseq-train's arguments (after the program) for a one-layer model on the CPU, logging
+    every 2 updates as JSON: the real log format, in seconds (also tests/test_bench_multi_gpu.py)."""
+    return [data, "--arch", "transformer_iwslt_de_en", "--encoder-layers", "1", "--decoder-layers",
+            "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+            "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+            "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--optimizer",
+            "adam", "--lr", "1e-3", "--max-tokens", "300", "--max-epoch", str(epochs), "--cpu",
+            "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "2",
+            "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy"]
+
+
 def test_the_wrapper_stamps_every_logged_interval_of_a_real_fairseq_train(tmp_path):
     """The stamps come from patching fairseq's ``metrics.reset_meters`` in e2e's wrapper: a real
     (tiny, CPU) fairseq-train must print exactly one per logged interval, or the steady figure
     silently falls back to fairseq's own interval meters."""
     e2e.make_corpus(str(tmp_path), 120, 300)
     data = e2e.preprocess(str(tmp_path), 1)
-    cmd = [sys.executable, "-c", e2e.WRAPPER, data, "--arch", "transformer_iwslt_de_en",
-           "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
-           "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
-           "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
-           "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "1e-3",
-           "--max-tokens", "300", "--max-epoch", "2", "--cpu", "--no-save",
-           "--disable-validation", "--log-format", "json", "--log-interval", "2",
-           "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy"]
+    cmd = [sys.executable, "-c", e2e.WRAPPER] + tiny_cpu_train_args(data, epochs=2)
     proc = e2e.subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]

@@ -11,6 +11,7 @@ import pytest
 
 import e2e  # bench/ (pytest.ini's pythonpath)
 import multi_gpu
+from test_bench_e2e import tiny_cpu_train_args  # tests/ (pytest.ini's pythonpath)
 
 # The end of a 2-GPU run's log as fairseq-train prints it (--log-format json, log interval 10):
 # the spawned workers log in logging's default format, rank 0 only; the sitecustomize's lines
@@ -185,14 +186,7 @@ def test_a_real_fairseq_train_stamps_every_epoch_end(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(multi_gpu._SITECUSTOMIZE)
-    cmd = [sys.executable, "-c", multi_gpu.WRAPPER, data, "--arch", "transformer_iwslt_de_en",
-           "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
-           "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
-           "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
-           "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "1e-3",
-           "--max-tokens", "300", "--max-epoch", "3", "--cpu", "--no-save",
-           "--disable-validation", "--log-format", "json", "--log-interval", "2",
-           "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy"]
+    cmd = [sys.executable, "-c", multi_gpu.WRAPPER] + tiny_cpu_train_args(data, epochs=3)
     env = dict(os.environ, PYTHONPATH=str(site), BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     log = proc.stdout + proc.stderr

@@ -352,6 +352,20 @@ class LSTransformerModel(TransformerModel):
             if m is not self and hook is not None and hook not in _FORWARDING_HOOKS:
                 m.set_num_updates(num_updates)
 
+    def prepare_for_inference_(self, cfg):
+        """fairseq-generate and fairseq-interactive call this once the model is on its device
+        (and in fp16 under ``--fp16``). fairseq 0.12 has no bf16 decoding: its ``--bf16`` means
+        a TPU, and generate then decodes in fp32. For an ls_ model ``--bf16`` decodes in
+        bfloat16 on the usual device (log-probabilities stay fp32: fairseq's log_softmax)."""
+        super().prepare_for_inference_(cfg)
+        common = getattr(cfg, "common", None)
+        if getattr(common, "bf16", False) and not getattr(common, "fp16", False) and \
+                not _has_torch_xla():
+            self.to(torch.bfloat16)
+            logger.info(f"--bf16: decoding in {next(self.parameters()).dtype} on "
+                        f"{next(self.parameters()).device} (fairseq 0.12 alone would decode a "
+                        f"model on a GPU in fp32)")
+
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):
         return LSTransformerEncoder(_as_config(cfg), src_dict, embed_tokens)
@@ -372,6 +386,10 @@ ARCHITECTURES = {
     "ls_transformer_wmt_en_de_big_t2t": fairseq_archs.transformer_wmt_en_de_big_t2t,
 }
 
+def _has_torch_xla() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
 def bf16_without_tpu(args) -> None:
     """fairseq 0.12 reads ``--bf16`` as "bf16 on a TPU" (its option parsing sets ``--tpu``). On a
     machine without torch_xla that run could only fail, so for ls_ architectures ``--bf16`` means
@@ -380,7 +398,7 @@ def bf16_without_tpu(args) -> None:
     parsing calls the architecture function after setting ``--tpu``, so this is the place."""
     if not (getattr(args, "bf16", False) and getattr(args, "tpu", False)):
         return
-    if importlib.util.find_spec("torch_xla") is not None:
+    if _has_torch_xla():
         return  # a TPU machine: fairseq's meaning
     args.tpu = False
     logger.info("--bf16: training in bfloat16 on %s (fairseq reads --bf16 as TPU; torch_xla is "
