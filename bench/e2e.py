@@ -84,6 +84,7 @@ VARIANTS = {
     "ls": dict(_LS),
     # the same in bf16 (--bf16: no loss scaling)
     "ls_bf16": dict(_LS, bf16=True),
+    "ls_fp8": dict(_LS, flags=["--ls-fp8"]),  # the README's command + FP8 layer matmuls
     # the three mechanisms required by their flags (what "ls" ran before they were defaults)
     "ls_flags": dict(_LS, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs",
                                  "--ls-deferred-overflow-check"]),

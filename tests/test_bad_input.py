@@ -252,7 +252,7 @@ FLAG_CASES = [
 #: --ls-* switches that take no value (their contradicting pairs are cases above)
 SWITCHES = {"--ls-fused-output-ce", "--ls-async-stats", "--ls-cuda-graphs", "--ls-no-cuda-graphs",
             "--ls-fused-fp16-copy", "--ls-no-fused-fp16-copy", "--ls-deferred-overflow-check",
-            "--ls-no-deferred-overflow-check"}
+            "--ls-no-deferred-overflow-check", "--ls-fp8"}
 
 
 def _case_id(case):

@@ -156,6 +156,8 @@ def test_ops_take_the_reference_path_on_cpu(monkeypatch, mode):
             ops.transformer_embedding(tokens, positions, E, P, 2.0, 1, 0.0, True, True),
             ops.transformer_embedding_reference(tokens, positions, E, P, 2.0, 1, 0.0, True, True),
         )
+        fp8 = _binding("fp8_linear")
+        torch.testing.assert_close(fp8.fp8_linear(x, E, None), fp8.fp8_linear_reference(x, E))
     assert calls == []
 
 
@@ -170,6 +172,8 @@ def test_ops_raise_on_cpu_under_require(monkeypatch):
         ops.bias_act_dropout(x, b, "relu", 0.1, True)
     with pytest.raises(RuntimeError, match="CPU tensor"):
         ops.transformer_embedding(tokens, positions, E, P, 2.0, 1, 0.1, True, True)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        _binding("fp8_linear").fp8_linear(x, E)
 
 
 # ---------------------------------------------------------------- the op convention on the CPU
@@ -358,6 +362,57 @@ def test_public_ops_dispatch_on_supports(monkeypatch):
     _binding("attention").attention_cuda_packed(qkv)
     assert calls == ["adam_step_cuda", "layer_norm_cuda", "label_smoothed_cross_entropy_rows_cuda",
                      "attention_cuda", "attention_cuda_packed"], calls
+
+
+def test_fp8_linear_dispatch(monkeypatch):
+    """fp8_linear has no binding: its GPU path is torch._scaled_mm (ops/fp8_linear.py), so it
+    never builds the extension. With an FP8 GPU stubbed, it takes that path exactly where its
+    ``supports`` holds (K and N multiples of 16, the kernels' dtypes), and the reference under
+    ``off``. A GPU without FP8 matmuls warns once (``auto``) or raises (``require``)."""
+    fp8 = _binding("fp8_linear")
+    build_calls = _fail_build(monkeypatch)
+    real_fp8_device = fp8.fp8_device
+    monkeypatch.setattr(fp8, "fp8_device", lambda t: True)
+    engine = []
+
+    def scaled_mm(*args, **kwargs):
+        engine.append("scaled_mm")
+        return fp8.matmul_reference(*args, **kwargs)
+
+    monkeypatch.setattr(fp8, "matmul_scaled_mm", scaled_mm)
+
+    def expect(x, w, kernel):
+        engine.clear()
+        fp8.fp8_linear(x, w)
+        assert engine == (["scaled_mm"] if kernel else []), (x.shape, w.shape, x.dtype)
+
+    x, w = torch.randn(3, 5, 32), torch.randn(16, 32)
+    assert fp8.supports(x.view(15, 32), w, torch.zeros(16))
+    expect(x, w, kernel=True)
+    expect(x[:, :1], w, kernel=True)  # M is free (the backward pads it)
+    expect(x[..., :24], w[:, :24], kernel=False)  # K not a multiple of 16
+    expect(x, w[:12], kernel=False)  # N
+    expect(x.double(), w.double(), kernel=False)
+    expect(x[:, :0], w, kernel=False)  # no rows
+    monkeypatch.setenv(_extension.ENV_VAR, "off")
+    expect(x, w, kernel=False)
+    monkeypatch.setenv(_extension.ENV_VAR, "require")
+    expect(x, w, kernel=True)
+    assert build_calls == []
+
+    # a GPU without FP8 tensor cores (capability 8.0), as a stand-in tensor: decided up front
+    monkeypatch.setattr(fp8, "fp8_device", real_fp8_device)
+    monkeypatch.setenv(_extension.ENV_VAR, "auto")
+    old_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(fp8, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(fp8, "_warned_no_fp8_gpu", False)
+    with pytest.warns(RuntimeWarning, match="capability 8.0.*reference") as record:
+        assert fp8._use_scaled_mm(old_gpu, w, None) is False
+        assert fp8._use_scaled_mm(old_gpu, w, None) is False
+    assert len(record) == 1
+    monkeypatch.setenv(_extension.ENV_VAR, "require")
+    with pytest.raises(RuntimeError, match="require.*capability 8.0"):
+        fp8._use_scaled_mm(old_gpu, w, None)
 
 
 FAKES_CHECK = r'''

@@ -92,6 +92,11 @@ def _embed_scale(cfg: TransformerConfig, embed_dim: int) -> float:
     return 1.0 if cfg.no_scale_embedding else math.sqrt(embed_dim)
 
 
+def _fp8(cfg) -> bool:
+    """``--ls-fp8`` (absent from checkpoints written before it existed: off)."""
+    return bool(getattr(cfg, "ls_fp8", False))
+
+
 class LSTransformerEncoder(FairseqEncoder):
     """fairseq's ``TransformerEncoderBase`` interface and parameters, with fused layers."""
 
@@ -120,6 +125,7 @@ class LSTransformerEncoder(FairseqEncoder):
                 attention_dropout=cfg.attention_dropout,
                 activation_dropout=_activation_dropout(cfg),
                 activation_fn=cfg.activation_fn, normalize_before=cfg.encoder.normalize_before,
+                fp8=_fp8(cfg),
             )
             for _ in range(cfg.encoder.layers)
         ])
@@ -198,7 +204,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 num_heads=cfg.decoder.attention_heads, encoder_embed_dim=cfg.encoder.embed_dim,
                 dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                 activation_dropout=_activation_dropout(cfg), activation_fn=cfg.activation_fn,
-                normalize_before=cfg.decoder.normalize_before,
+                normalize_before=cfg.decoder.normalize_before, fp8=_fp8(cfg),
             )
             for _ in range(cfg.decoder.layers)
         ])
@@ -330,10 +336,23 @@ def _xavier_linear(in_features, out_features):
 class LSTransformerModel(TransformerModel):
     """fairseq's ``transformer`` with ls_fairseq's fused encoder and decoder.
 
-    Same options as ``transformer`` (``fairseq-train --arch ls_transformer... --help``)."""
+    Same options as ``transformer`` (``fairseq-train --arch ls_transformer... --help``), plus
+    ``--ls-fp8``."""
 
     #: its training step has no host synchronisation: the criterion's CUDA graphs may capture it
     supports_cuda_graphs = True
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument(
+            # fairseq's model group suppresses absent options: the default is explicit
+            "--ls-fp8", action="store_true", default=False,
+            help="ls_ only: in training, the encoder and decoder layers' linear layers (attention "
+                 "projections, FFN) multiply in FP8 (e4m3 operands, e5m2 output gradients, "
+                 "per-tensor current scaling; torch._scaled_mm on GPUs of compute capability "
+                 ">= 8.9). Weights, optimizer and checkpoints are unchanged, and evaluation and "
+                 "generation use the normal matmuls (docs/FLAGS.md)")
 
     @classmethod
     def build_model(cls, args, task):

@@ -6,18 +6,19 @@ how it is batched: the three self-attention projections run as one GEMM, and the
 keys/values of all decoder layers come precomputed from :class:`LayerBatchedEncoderKV`.
 
 Both modules return the output projection *without its bias*: the layer fuses
-``bias + dropout + residual`` in one op.
+``bias + dropout + residual`` in one op. Under ``--ls-fp8`` their projections run as FP8 matmuls
+in training (``sublayers.linear_of``); the cross-attention keys/values do not.
 """
 import math
 from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from .. import ops
+from .sublayers import linear_of
 
 
 def _projections(module: nn.Module, embed_dim: int, kdim: int, vdim: int):
@@ -49,15 +50,18 @@ def _merge_heads(ctx: Tensor) -> Tensor:
 
 
 class _Attention(nn.Module):
-    """Heads, attention dropout and fairseq's four projections, shared by both kinds."""
+    """Heads, attention dropout and fairseq's four projections, shared by both kinds; ``fp8``:
+    the projections' matmuls in FP8 in training (``--ls-fp8``)."""
 
-    def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float):
+    def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float,
+                 fp8: bool = False):
         super().__init__()
         _check_heads(embed_dim, num_heads)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.dropout = dropout
+        self.fp8 = fp8
         _projections(self, embed_dim, kdim, vdim)
 
 
@@ -65,8 +69,8 @@ class _Attention(nn.Module):
 class SelfAttention(_Attention):
     """Self-attention with one fused QKV projection; causal and incremental for the decoder."""
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
-        super().__init__(embed_dim, num_heads, embed_dim, embed_dim, dropout)
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, fp8: bool = False):
+        super().__init__(embed_dim, num_heads, embed_dim, embed_dim, dropout, fp8)
 
     def qkv_weight_and_bias(self):
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
@@ -83,12 +87,13 @@ class SelfAttention(_Attention):
     ):
         """x [B, T, C] -> (out_proj(ctx) without bias [B, T, C], probs [B, H, T, S] or None)."""
         bsz, tgt_len, _ = x.shape
+        linear = linear_of(self)
         weight, bias = self.qkv_weight_and_bias()
-        qkv = F.linear(x, weight, bias).view(bsz, tgt_len, 3, self.num_heads, self.head_dim)
+        qkv = linear(x, weight, bias).view(bsz, tgt_len, 3, self.num_heads, self.head_dim)
         if incremental_state is None and not need_weights:  # training: one packed op
             ctx = ops.attention_packed(qkv, key_padding_mask, causal=causal,
                                        dropout_p=self.dropout, training=self.training)
-            return F.linear(_merge_heads(ctx), self.out_proj.weight), None
+            return linear(_merge_heads(ctx), self.out_proj.weight), None
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
         if incremental_state is not None:
             saved = self.get_incremental_state(incremental_state, "attn_state")
@@ -111,7 +116,7 @@ class SelfAttention(_Attention):
             q, k, v, key_padding_mask, causal=causal, dropout_p=self.dropout,
             training=self.training, need_weights=need_weights,
         )
-        return F.linear(_merge_heads(ctx), self.out_proj.weight), probs
+        return linear(_merge_heads(ctx), self.out_proj.weight), probs
 
     def reorder_incremental_state(
         self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor
@@ -132,17 +137,19 @@ class CrossAttention(_Attention):
     :class:`LayerBatchedEncoderKV` reads them to project the encoder output in one GEMM.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float = 0.0):
-        super().__init__(embed_dim, num_heads, kdim, vdim, dropout)
+    def __init__(self, embed_dim: int, num_heads: int, kdim: int, vdim: int, dropout: float = 0.0,
+                 fp8: bool = False):
+        super().__init__(embed_dim, num_heads, kdim, vdim, dropout, fp8)
 
     def forward(self, x: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
                 need_weights: bool = False):
         """x [B, T, C], k/v [B, H, S, D] -> (out_proj(ctx) without bias, probs or None)."""
         bsz, tgt_len, _ = x.shape
-        q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
+        linear = linear_of(self)
+        q = linear(x, self.q_proj.weight, self.q_proj.bias)
         q = q.view(bsz, tgt_len, self.num_heads, self.head_dim).transpose(1, 2)
         ctx, probs = ops.attention(
             q, k, v, key_padding_mask, causal=False, dropout_p=self.dropout,
             training=self.training, need_weights=need_weights,
         )
-        return F.linear(_merge_heads(ctx), self.out_proj.weight), probs
+        return linear(_merge_heads(ctx), self.out_proj.weight), probs

@@ -20,17 +20,19 @@ class TransformerDecoderLayer(nn.Module):
 
     def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, encoder_embed_dim: int,
                  dropout: float, attention_dropout: float, activation_dropout: float,
-                 activation_fn: str, normalize_before: bool):
+                 activation_fn: str, normalize_before: bool, fp8: bool = False):
         super().__init__()
         self.embed_dim = embed_dim
         self.dropout = dropout
-        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout)
+        self.fp8 = fp8  # --ls-fp8: the linear layers' matmuls in FP8 in training
+        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout, fp8=fp8)
         self.activation_fn = check_activation(activation_fn)
         self.activation_dropout = activation_dropout
         self.normalize_before = normalize_before
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.encoder_attn = CrossAttention(embed_dim, num_heads, kdim=encoder_embed_dim,
-                                           vdim=encoder_embed_dim, dropout=attention_dropout)
+                                           vdim=encoder_embed_dim, dropout=attention_dropout,
+                                           fp8=fp8)
         self.encoder_attn_layer_norm = LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_embed_dim)
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)

@@ -14,10 +14,11 @@ class TransformerEncoderLayer(nn.Module):
 
     def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, dropout: float,
                  attention_dropout: float, activation_dropout: float, activation_fn: str,
-                 normalize_before: bool):
+                 normalize_before: bool, fp8: bool = False):
         super().__init__()
         self.embed_dim = embed_dim
-        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout)
+        self.fp8 = fp8  # --ls-fp8: the linear layers' matmuls in FP8 in training
+        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout, fp8=fp8)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.dropout = dropout
         self.activation_fn = check_activation(activation_fn)

@@ -1,9 +1,18 @@
 """The pieces every Transformer layer is built from (encoder and decoder alike): the pre-LN input
 of a sublayer, the fused close of a sublayer (bias, dropout, residual, and in pre-LN the next
-LayerNorm), the feed-forward block, and which LayerNorm reads each layer's output."""
+LayerNorm), the feed-forward block, which LayerNorm reads each layer's output, and the matmul of
+the layers' linear layers (``F.linear``, or FP8 under ``--ls-fp8``)."""
 import torch.nn.functional as F
 
 from .. import ops
+from ..ops.fp8_linear import fp8_linear
+
+
+def linear_of(module):
+    """The matmul of ``module``'s linear layers, with ``F.linear``'s signature. ``module.fp8``
+    (``--ls-fp8``, set at construction) picks ``fp8_linear`` in training. Evaluation and
+    generation (``module.training`` False) keep ``F.linear``."""
+    return fp8_linear if module.fp8 and module.training else F.linear
 
 
 def pre_ln_input(x, norm, normed=None):
@@ -25,9 +34,10 @@ def sublayer_output(y, bias, residual, dropout: float, training: bool, next_norm
 def feed_forward(layer, x, residual, next_norm=None):
     """``residual + dropout(fc2(dropout(act(fc1(x)))))`` with both bias epilogues fused (and
     ``next_norm`` of the result, see :func:`sublayer_output`)."""
-    h = ops.bias_act_dropout(F.linear(x, layer.fc1.weight), layer.fc1.bias, layer.activation_fn,
+    linear = linear_of(layer)
+    h = ops.bias_act_dropout(linear(x, layer.fc1.weight), layer.fc1.bias, layer.activation_fn,
                              layer.activation_dropout, layer.training)
-    return sublayer_output(F.linear(h, layer.fc2.weight), layer.fc2.bias, residual, layer.dropout,
+    return sublayer_output(linear(h, layer.fc2.weight), layer.fc2.bias, residual, layer.dropout,
                            layer.training, next_norm)
 
 
