@@ -255,6 +255,35 @@ print("BENCH_GEMM_TFLOPS", 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3) /
 """
 
 
+def gpu_names():
+    """The GPUs' names from nvidia-smi, else from torch in a subprocess (this process holds no
+    CUDA context while the runs measure memory), else ["cpu"]."""
+    for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                [sys.executable, "-c", "import torch\nfor i in range(torch.cuda.device_count()):"
+                                       " print(torch.cuda.get_device_name(i))"]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        names = [l.strip() for l in out.splitlines() if l.strip()]
+        if names:
+            return names
+    return ["cpu"]
+
+
+def commit():
+    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
+    if os.environ.get("LS_BENCH_COMMIT"):
+        return os.environ["LS_BENCH_COMMIT"]
+    try:
+        git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        git = ""
+    return (git or "unknown") + (" (from git, not LS_BENCH_COMMIT: on the device the tree's git "
+                                 "state may be stale)")
+
+
 def gemm_tflops():
     """Measured fp16 TFLOP/s of an 8192^3 matmul on this GPU, or None (no GPU, error)."""
     proc = subprocess.run([sys.executable, "-c", GEMM_PROBE], capture_output=True, text=True)
@@ -667,15 +696,11 @@ def main():
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
-    commit = os.environ.get("LS_BENCH_COMMIT") or ((subprocess.run(
-        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-        text=True).stdout.strip() or "unknown") + " (from git, not LS_BENCH_COMMIT: on the "
-        "device the tree's git state may be stale)")
+    run_commit = commit()
     table = markdown(rows) + "\n\n" + fidelity_markdown(rows)
     if found:
         table += "\n\n" + largest_markdown(found)
-    header = (f"Device: {device}; date: {datetime.date.today()}; commit: {commit}; torch "
+    header = (f"Device: {device}; date: {datetime.date.today()}; commit: {run_commit}; torch "
               f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n\n"
               f"fp16 GEMM rate of this GPU in this call (8192³ matmul, before / after the runs): "
               f"{fmt(gemm[0], '.0f')} / {fmt(gemm[1], '.0f')} TFLOP/s; the MFU column uses "
@@ -687,7 +712,7 @@ def main():
             f.write(header + "\n" + table + "\n\n" + prof_md + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "commit": commit, "gemm_tflops": gemm, "rows": rows,
+            json.dump({"device": device, "commit": run_commit, "gemm_tflops": gemm, "rows": rows,
                        "largest": found, "profiles": profiles}, f, indent=1)
 
 

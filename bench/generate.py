@@ -474,31 +474,8 @@ def cuda_available():
 
 
 def device_name(device):
-    """The GPU's name from nvidia-smi, else torch in a subprocess (this process holds no CUDA
-    context), else "cpu"."""
-    if device == "cpu":
-        return "cpu"
-    for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.strip():
-            return out.strip().splitlines()[0]
-    return "unknown"
-
-
-def commit():
-    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
-    if os.environ.get("LS_BENCH_COMMIT"):
-        return os.environ["LS_BENCH_COMMIT"]
-    try:
-        git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        git = ""
-    return (git or "unknown") + " (from git, not LS_BENCH_COMMIT)"
+    """The GPU's name (``e2e.gpu_names``: no CUDA context in this process), or "cpu"."""
+    return "cpu" if device == "cpu" else e2e.gpu_names()[0]
 
 
 def build_extension():
@@ -591,7 +568,7 @@ def main(argv=None):
     a = parse_args(argv)
     t0 = time.time()
     os.makedirs(os.path.join(a.workdir, "runs"), exist_ok=True)
-    info = dict(device=device_name(a.device), date=str(datetime.date.today()), commit=commit(),
+    info = dict(device=device_name(a.device), date=str(datetime.date.today()), commit=e2e.commit(),
                 command="python bench/generate.py " + shlex.join(argv),
                 fairseq_bf16=a.fairseq_bf16)
     try:

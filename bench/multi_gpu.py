@@ -43,6 +43,7 @@ import sys
 
 import e2e
 import profile_summary
+from e2e import commit, gpu_names  # the call's device and commit, as every bench script
 from ls_fairseq.cli.compare.metrics import FULL_EPOCH
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -411,35 +412,6 @@ def scaling_markdown(rows):
 # --------------------------------------------------------------------------------------------
 # the call: device, commit, command; the results file
 # --------------------------------------------------------------------------------------------
-
-def gpu_names():
-    """The GPUs' names from nvidia-smi, else from torch in a subprocess (this process holds no
-    CUDA context while the runs measure memory), else ["cpu"]."""
-    for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                [sys.executable, "-c", "import torch\nfor i in range(torch.cuda.device_count()):"
-                                       " print(torch.cuda.get_device_name(i))"]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        names = [l.strip() for l in out.splitlines() if l.strip()]
-        if names:
-            return names
-    return ["cpu"]
-
-
-def commit():
-    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
-    if os.environ.get("LS_BENCH_COMMIT"):
-        return os.environ["LS_BENCH_COMMIT"]
-    try:
-        git = subprocess.run(["git", "-C", e2e.ROOT, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        git = ""
-    return (git or "unknown") + (" (from git, not LS_BENCH_COMMIT: on the device the tree's git "
-                                 "state may be stale)")
-
 
 def run_info(argv):
     import torch
