@@ -29,7 +29,7 @@ module doc); this method then only checks that it did. Without an engine, DDP's 
 """
 import torch
 
-from ..wrappers import data_parallel_of, grad_sync_due, is_torch_ddp
+from ..wrappers import data_parallel_of, grad_sync_due, is_torch_ddp, world_size
 from .flat_gradients import ALIGN, flat_gradients_of
 
 # the engine's accumulators align each view to ALIGN (16) elements
@@ -74,7 +74,7 @@ def all_reduce_flat(module):
     buffers = flat_grad_buffers([p for p in ddp.module.parameters() if p.requires_grad])
     if buffers is None:
         return False
-    if ddp.accumulate_grads:  # inside no_sync(): fairseq's method does nothing there either
+    if not grad_sync_due(ddp):  # inside no_sync(): fairseq's method does nothing there either
         return True
     grads = flat_gradients_of(ddp.module)
     reduced = [grads is not None and grads.all_reduced and grads.holds(buf) for buf in buffers]
@@ -86,7 +86,7 @@ def all_reduce_flat(module):
         raise RuntimeError("ls_fairseq: some flat gradient buffers were all-reduced during the "
                            "backward and others not; please report this")
     for buf in buffers:
-        buf.div_(ddp.world_size)
+        buf.div_(world_size(ddp))
         torch.distributed.all_reduce(buf, group=ddp.process_group)
     return True
 

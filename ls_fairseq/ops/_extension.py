@@ -217,9 +217,9 @@ def failure_reason() -> str:
     return _failure_reason
 
 
-def use_kernels(*tensors) -> bool:
-    """True when the CUDA kernels should run for these tensors; decides fallback and warns once."""
-    global _warned
+def wants_cuda(*tensors) -> bool:
+    """``LS_FAIRSEQ_KERNELS`` applied to where the tensors are: False under ``off`` or when one
+    is on the CPU (an error under ``require``). What a GPU path of any op decides first."""
     current = mode()
     if current == "off":
         return False
@@ -230,9 +230,17 @@ def use_kernels(*tensors) -> bool:
                 f"or unset {ENV_VAR}"
             )
         return False
+    return True
+
+
+def use_kernels(*tensors) -> bool:
+    """True when the CUDA kernels should run for these tensors; decides fallback and warns once."""
+    global _warned
+    if not wants_cuda(*tensors):
+        return False
     if load():
         return True
-    if current == "require":
+    if mode() == "require":
         raise RuntimeError(
             f"{ENV_VAR}=require but the ls_fairseq CUDA extension is unavailable: {_failure_reason}"
         )

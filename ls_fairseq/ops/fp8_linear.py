@@ -197,24 +197,24 @@ def supports(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
 def _use_scaled_mm(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """The dispatch: ``_scaled_mm`` or the reference (see the module docstring)."""
     global _warned_no_fp8_gpu
-    mode = _extension.mode()
-    if mode == "off":
+    if _extension.mode() == "off":
         return False
-    if not fp8_device(x):
-        where = ("a GPU of compute capability %d.%d" % _capability(x.device.index)
-                 if x.is_cuda else "a CPU tensor")
-        if mode == "require":
-            raise RuntimeError(
-                f"{_extension.ENV_VAR}=require but fp8_linear (--ls-fp8) got {where}: FP8 "
-                f"matmuls need a GPU of compute capability >= 8.9; unset {_extension.ENV_VAR} "
-                "or drop --ls-fp8")
-        if x.is_cuda and not _warned_no_fp8_gpu:
-            _warned_no_fp8_gpu = True
-            warnings.warn(f"ls_fairseq: --ls-fp8 on {where}: FP8 matmuls need compute "
-                          "capability >= 8.9; running the float32 reference path (the same "
-                          "math, slower than without --ls-fp8)", RuntimeWarning, stacklevel=3)
+    if fp8_device(x):
+        return supports(x, weight, bias)
+    if not _extension.wants_cuda(x):  # a CPU tensor (an error under require)
         return False
-    return supports(x, weight, bias)
+    where = "a GPU of compute capability %d.%d" % _capability(x.device.index)
+    if _extension.mode() == "require":
+        raise RuntimeError(
+            f"{_extension.ENV_VAR}=require but fp8_linear (--ls-fp8) got {where}: FP8 "
+            f"matmuls need a GPU of compute capability >= 8.9; unset {_extension.ENV_VAR} "
+            "or drop --ls-fp8")
+    if not _warned_no_fp8_gpu:
+        _warned_no_fp8_gpu = True
+        warnings.warn(f"ls_fairseq: --ls-fp8 on {where}: FP8 matmuls need compute "
+                      "capability >= 8.9; running the float32 reference path (the same "
+                      "math, slower than without --ls-fp8)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _apply(x: Tensor, weight: Tensor, bias: Optional[Tensor], scaled_mm: Optional[bool]):

@@ -73,17 +73,14 @@ def grad_norm_check_conflict(cfg):
     if not several_workers():
         return None
     criterion = getattr(cfg, "criterion", None)
-    has_async_stats = hasattr(criterion, "ls_no_async_stats") or \
-        getattr(criterion, "ls_async_stats", False)
-    if not has_async_stats:
+    if not hasattr(criterion, "ls_no_async_stats"):  # not ls_label_smoothed_cross_entropy
         return ("on several GPUs it needs --criterion ls_label_smoothed_cross_entropy (its async "
                 "stats replace fairseq's check that the workers' grad norms agree, which would "
                 "stop the run at the first fp16 overflow)")
     if getattr(criterion, "ls_no_async_stats", False):
         return ("--ls-no-async-stats keeps fairseq's check that the workers' grad norms agree, "
                 "which would stop the run at the first fp16 overflow")
-    mp = getattr(getattr(cfg, "common", None), "model_parallel_size", 1)
-    if isinstance(mp, int) and mp > 1:
+    if getattr(getattr(cfg, "common", None), "model_parallel_size", 1) > 1:
         return ("async stats step aside under model parallelism, and fairseq's check that the "
                 "workers' grad norms agree would stop the run at the first fp16 overflow")
     return None
