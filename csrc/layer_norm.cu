@@ -1,4 +1,4 @@
-// LayerNorm over the last dimension (ls_fairseq, issue 3): y = (x - mean) * rstd * w + b.
+// LayerNorm over the last dimension: y = (x - mean) * rstd * w + b.
 //
 // Storage float32/float16/bfloat16, math in float32, eps from the caller (fairseq: 1e-5).
 //
@@ -410,6 +410,11 @@ TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
   m.def("layer_norm_bwd(Tensor grad, Tensor saved, Tensor? weight, Tensor? bias, Tensor? mean, "
         "Tensor rstd, bool invertible, bool weight_grad, bool bias_grad, Tensor? residual_grad=None) "
         "-> (Tensor, Tensor, Tensor)");
+  // (LayerNorm(x), x) for pre-LN blocks: the second output is a view of x whose gradient is added
+  // inside layer_norm_bwd. No kernel of its own: CompositeImplicitAutograd over layer_norm_fwd in
+  // csrc/layer_norm_autograd.cpp (so no fake either: it decomposes).
+  m.def("layer_norm_residual(Tensor(a) x, Tensor? weight, Tensor? bias, float eps) "
+        "-> (Tensor, Tensor(a))");
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) {

@@ -8,6 +8,11 @@ are compiled as a CPU extension and registered over those ops. What is checked: 
 (with and without weight/bias, inputs that do or do not require grad, dropout on/off, train/eval,
 relu/gelu, invertible LayerNorm), the non-differentiable outputs, and the weight_grad/bias_grad
 flags the backward asks the kernels for (no gradient computed that autograd does not need).
+For layer_norm_residual (CompositeImplicitAutograd): its outputs (the second a view of x), the
+gradients of either output or both, the kernel calls and their arguments against a Python
+autograd.Function making the same calls, x's two gradients summed inside layer_norm_bwd (no add
+in autograd), no-grad and inference mode, the binding's entry, FakeTensorMode (through the
+binding's fakes of layer_norm_fwd/_bwd) and torch.library.opcheck.
 
     python tests/autograd_cpp_check.py <build dir>
 """
@@ -19,6 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 lib = torch.library.Library("ls_fairseq", "FRAGMENT")
@@ -27,21 +33,22 @@ for name in ("layer_norm.cu", "bias_dropout_residual_layer_norm.cu", "dropout_fu
         for m in re.finditer(r'm\.def\(((?:\s*"[^"]*")+)', f.read()):
             lib.define("".join(re.findall(r'"([^"]*)"', m.group(1))))
 CALLS = []
+ARGS = []  # (name, arguments) of every LayerNorm kernel call, to compare two call patterns exactly
 def ln_fwd(x, w, b, eps, inv=False):
-    CALLS.append("ln_fwd")
+    CALLS.append("ln_fwd"); ARGS.append(("ln_fwd", (x, w, b, eps, inv)))
     mean = x.mean(-1); rstd = (x.var(-1, unbiased=False) + eps).rsqrt()
-    return F.layer_norm(x, (x.size(-1),), w, b, eps), mean.reshape(-1), rstd.reshape(-1)
+    return F.layer_norm(x, (x.size(-1),), w, b, eps), mean.reshape(-1).float(), rstd.reshape(-1).float()  # float32 as the kernel
 def ln_bwd(g, saved, w, b, mean, rstd, inv, wg, bg, rg=None):
-    CALLS.append(("ln_bwd", inv, wg, bg))
+    CALLS.append(("ln_bwd", inv, wg, bg)); ARGS.append(("ln_bwd", (g, saved, w, b, mean, rstd, inv, wg, bg, rg)))
     if inv:
         xhat = (saved - (b if b is not None else 0)) / (w if w is not None else 1)
         x = xhat  # LayerNorm(xhat) == xhat up to eps; test uses inv only for the call pattern
     else: x = saved
-    x = x.detach().requires_grad_(); ww = None if w is None else w.detach().requires_grad_(); bb = None if b is None else b.detach().requires_grad_()
-    with torch.enable_grad(): y = F.layer_norm(x, (x.size(-1),), ww, bb, 1e-5)
-    ins = [x] + [t for t in (ww, bb) if t is not None]
-    with torch.enable_grad(): gs = list(torch.autograd.grad(y, ins, g))
-    dx = gs.pop(0); dw = gs.pop(0) if ww is not None else None; db = gs.pop(0) if bb is not None else None
+    # closed form (no autograd inside a kernel, so that it also runs under dispatch modes)
+    c = x.size(-1); rs = (x.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    xhat = (x - x.mean(-1, keepdim=True)) * rs; d = g * w if w is not None else g
+    dx = rs * (d - d.mean(-1, keepdim=True) - xhat * (d * xhat).mean(-1, keepdim=True))
+    dw = (g * xhat).reshape(-1, c).sum(0); db = g.reshape(-1, c).sum(0)
     if rg is not None: dx = dx + rg
     e = g.new_empty(0)
     return dx, (dw if wg else e), (db if bg else e)
@@ -156,4 +163,106 @@ for has_b, has_w, has_lb, p, train, y_req, r_req, outs in itertools.product(
     assert [c[0] for c in lnb] == (["bdr_ln_bwd"] if fused else ["ln_bwd"] if "h" in outs else []), CALLS
     if lnb and fused: assert lnb[0][1:] == (bool(has_w), bool(has_lb), bool(has_b)), CALLS
     elif lnb: assert lnb[0][2:] == (bool(has_w), bool(has_lb)), CALLS
+# layer_norm_residual (CompositeImplicitAutograd): (LayerNorm(x), x), x's two gradients summed
+# inside layer_norm_bwd. Oracle of the call pattern: a Python autograd.Function with the same
+# kernel calls, whose values and arguments the op must reproduce exactly.
+class KeepInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, eps):
+        ctx.set_materialize_grads(False)
+        y, mean, rstd = ops.layer_norm_fwd(x, w, b, eps, False)
+        ctx.save_for_backward(x, w, b, mean, rstd)
+        return y, x
+    @staticmethod
+    def backward(ctx, gy, gr):
+        if gy is None: return gr, None, None, None
+        x, w, b, mean, rstd = ctx.saved_tensors; nx, nw, nb = ctx.needs_input_grad[:3]
+        wg, bg = bool(nw and w is not None), bool(nb and b is not None)
+        dx, dw, db = ops.layer_norm_bwd(gy, x, w, b, mean, rstd, False, wg, bg, gr if nx else None)
+        return dx if nx else None, dw.view_as(w) if wg else None, db.view_as(b) if bg else None, None
+class OpLog(TorchDispatchMode):  # the ops autograd runs in backward (the kernels' insides not)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        LOGGED.append(func.overloadpacket.__name__); return func(*args, **(kwargs or {}))
+LOGGED = []
+def same_args(a, b):
+    assert [n for n, _ in a] == [n for n, _ in b], (a, b)
+    for (n, xs), (_, ys) in zip(a, b):
+        for u, v in zip(xs, ys):
+            assert (u is None) == (v is None), n
+            if isinstance(u, torch.Tensor): assert u.dtype == v.dtype and torch.equal(u, v), n
+            else: assert u == v, n
+def run_residual(fn, x, w, b, gy, gr, outs, ins):
+    ARGS.clear(); CALLS.clear(); y, r = fn(x, w, b, 1e-5)
+    loss = ((y * gy).sum() if "y" in outs else 0) + ((r * gr).sum() if "r" in outs else 0)
+    LOGGED.clear()
+    with OpLog(): grads = torch.autograd.grad(loss, ins, allow_unused=True) if ins else ()
+    return y, r, grads, list(ARGS), list(CALLS), list(LOGGED)
+for has_w, has_b, x_req, w_req, b_req, outs in itertools.product(
+        [True, False], [True, False], [True, False], [True, False], [True, False], ["y", "r", "yr"]):
+    if (w_req and not has_w) or (b_req and not has_b): continue
+    x = leaf(3, 5, 7).requires_grad_(x_req)
+    w = torch.randn(7, dtype=torch.double).requires_grad_(w_req) if has_w else None
+    b = torch.randn(7, dtype=torch.double).requires_grad_(b_req) if has_b else None
+    gy, gr = torch.randn(3, 5, 7, dtype=torch.double), torch.randn(3, 5, 7, dtype=torch.double)
+    ins = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    what = ("ln_res", has_w, has_b, x_req, w_req, b_req, outs)
+    y, r, got, args, calls, logged = run_residual(ops.layer_norm_residual, x, w, b, gy, gr, outs, ins)
+    assert torch.equal(y, F.layer_norm(x, (7,), w, b, 1e-5)), what
+    assert r is not x and r._base is x and r.data_ptr() == x.data_ptr() and torch.equal(r, x), what
+    assert r.requires_grad == bool(ins) and y.requires_grad == bool(ins), what
+    if ins: assert r.grad_fn is y.grad_fn and "LayerNormResidualFunction" in y.grad_fn.name(), what
+    yo, ro, want, oargs, ocalls, _ = run_residual(KeepInput.apply, x, w, b, gy, gr, outs, ins)
+    assert torch.equal(y, yo) and torch.equal(r, ro), what
+    for a, e in zip(got, want): assert (a is None) == (e is None) and (a is None or torch.equal(a, e)), what
+    same_args(args, oargs); assert calls == ocalls, (what, calls, ocalls)
+    ref = ((F.layer_norm(x, (7,), w, b, 1e-5) * gy).sum() if "y" in outs else 0) + ((x * gr).sum() if "r" in outs else 0)
+    if ins:
+        if isinstance(ref, torch.Tensor) and ref.requires_grad:
+            for a, e in zip(got, torch.autograd.grad(ref, ins, allow_unused=True)):
+                check(torch.zeros_like(e) if a is None and e is not None else a,
+                      torch.zeros_like(a) if e is None and a is not None else e, what)
+        else:
+            assert all(a is None for a in got), what
+    # one kernel call per direction, x's gradients summed inside it: no add in autograd
+    assert calls[0] == "ln_fwd" and calls.count("ln_fwd") == 1, (what, calls)
+    lnb = [a for n, a in args if n == "ln_bwd"]
+    assert len(lnb) == (1 if "y" in outs and ins else 0), (what, calls)
+    if lnb:
+        assert lnb[0][7:9] == (bool(has_w and w_req), bool(has_b and b_req)), (what, calls)
+        assert (lnb[0][9] is not None) == ("r" in outs and x_req), what  # the residual gradient
+    assert not [n for n in logged if n.startswith("add")], (what, logged)
+    assert ("layer_norm_bwd" in logged) == bool(lnb), (what, logged)
+# the check above sees an add where autograd sums x's two gradients itself
+x = leaf(4, 7); LOGGED.clear()
+with OpLog(): torch.autograd.grad((F.layer_norm(x, (7,), None, None, 1e-5) + x).sum(), [x])
+assert [n for n in LOGGED if n.startswith("add")], LOGGED
+# no grad mode, inference mode (the Autograd key skipped: the composite runs at the CPU key): the
+# same forward, the residual still x's storage, no graph
+x, w = leaf(4, 7), leaf(7)
+for mode in (torch.no_grad, torch.inference_mode):
+    with mode():
+        y, r = ops.layer_norm_residual(x, w, None, 1e-5)
+    assert torch.equal(y, F.layer_norm(x, (7,), w, None, 1e-5)) and r.data_ptr() == x.data_ptr()
+    assert r.grad_fn is None and not y.requires_grad
+# the binding's entry: affine parameters cast to x's dtype, their gradients back through the cast
+from ls_fairseq.ops import _layer_norm_cuda  # noqa: E402
+x = torch.randn(5, 7, requires_grad=True); w = leaf(7); b = leaf(7)
+y, r = _layer_norm_cuda.layer_norm_residual_cuda(x, w, b, 1e-5)
+assert y.dtype == torch.float32 and torch.equal(y, F.layer_norm(x, (7,), w.float(), b.float(), 1e-5))
+g = torch.randn(5, 7); ins = [x, w, b]
+for a, e in zip(torch.autograd.grad((y * g).sum() + (r * g).sum(), ins),
+                torch.autograd.grad((F.layer_norm(x, (7,), w.float(), b.float(), 1e-5) * g).sum() + (x * g).sum(), ins)):
+    assert torch.allclose(a, e, atol=1e-5), (a - e).abs().max()
+# fake tensors: the op decomposes into layer_norm_fwd/_bwd, whose fakes are the binding's;
+# then torch.library.opcheck (schema, autograd registration, fake, AOT) over the CPU stand-ins
+_layer_norm_cuda._register()
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+with FakeTensorMode():
+    x = torch.empty(6, 8, requires_grad=True); w = torch.empty(8, requires_grad=True)
+    y, r = ops.layer_norm_residual(x, w, None, 1e-5)
+    assert y.shape == r.shape == (6, 8) and r._base is x
+    dx, dw = torch.autograd.grad((y + r).sum(), [x, w])
+    assert dx.shape == (6, 8) and dw.shape == (8,)
+for w, b in ((leaf(8), leaf(8)), (None, None), (leaf(8), None)):
+    torch.library.opcheck(ops.layer_norm_residual.default, (leaf(6, 8), w, b, 1e-5))
 print("all C++ autograd checks passed")

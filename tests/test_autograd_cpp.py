@@ -1,7 +1,7 @@
-"""The C++ autograd of LayerNorm, the fused sublayer boundary (bias+dropout+residual+LayerNorm),
-bias+dropout+residual and bias+activation+dropout (csrc/*_autograd.cpp), checked on the CPU: see
-tests/autograd_cpp_check.py, which runs in its own process (it defines the ops' schemas itself,
-which must not meet the real extension's). On the GPU the same autograd runs over the real kernels
+"""The C++ autograd of LayerNorm (layer_norm_fwd and layer_norm_residual), the fused sublayer
+boundary (bias+dropout+residual+LayerNorm), bias+dropout+residual and bias+activation+dropout
+(csrc/*_autograd.cpp), checked on the CPU: see tests/autograd_cpp_check.py, which runs in its own
+process (it defines the ops' schemas itself, which must not meet the real extension's). On the GPU the same autograd runs over the real kernels
 in tests/gpu/test_layer_norm_cuda.py, test_bias_dropout_residual_layer_norm_cuda.py,
 test_bias_dropout_residual_cuda.py and test_bias_act_dropout_cuda.py (opcheck included)."""
 import os

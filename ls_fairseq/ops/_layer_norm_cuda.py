@@ -1,11 +1,13 @@
 """CUDA binding of :func:`ls_fairseq.ops.layer_norm.layer_norm` (``csrc/layer_norm.cu``).
 
-Ops: ``torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, invertible) -> (y, mean, rstd)``
-and ``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
-residual_grad=None) -> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for).
-``layer_norm_fwd``'s autograd is C++ (``csrc/layer_norm_autograd.cpp``: a Python registration cost
-~50 us of host time per call); fake-tensor shapes are registered here with
+Ops: ``torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, invertible) -> (y, mean, rstd)``,
+``layer_norm_bwd(grad, saved, weight, bias, mean, rstd, invertible, weight_grad, bias_grad,
+residual_grad=None) -> (dx, dw, db)`` (``dw``/``db`` are empty when not asked for) and
+``layer_norm_residual(x, weight, bias, eps) -> (y, residual)``. The autograd is C++
+(``csrc/layer_norm_autograd.cpp``: a Python registration cost ~50 us of host time per call);
+fake-tensor shapes of ``layer_norm_fwd``/``_bwd`` are registered here with
 ``torch.library.register_fake`` once the extension is loaded (``_extension.when_loaded``).
+``layer_norm_residual`` is CompositeImplicitAutograd over them, so it has no fake of its own.
 
 ``layer_norm_residual_cuda(x, ...) -> (y, residual)`` is the pre-LN block's entry: ``residual`` is
 ``x`` (a view of it), and the gradient arriving there is added to LayerNorm's input gradient inside
@@ -21,7 +23,6 @@ What the kernels take is :func:`supports`; the public module runs the reference 
 import torch
 
 from . import _extension
-
 
 
 def supports(x) -> bool:
@@ -52,24 +53,6 @@ def _register():
 _extension.when_loaded(_register)
 
 
-def _input_grads(ctx, grad_y, residual_grad=None):
-    """(dx, dw, db) for the inputs that need them (None for the others), from ``layer_norm_bwd``
-    on the saved input (not invertible); ``residual_grad`` is added to dx in the same pass."""
-    saved, weight, bias, mean, rstd = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    weight_grad = bool(need_w and weight is not None)
-    bias_grad = bool(need_b and bias is not None)
-    dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(
-        grad_y, saved, weight, bias, mean, rstd, False, weight_grad, bias_grad,
-        residual_grad if need_x else None,
-    )
-    return (
-        dx if need_x else None,
-        dw.view_as(weight) if weight_grad else None,
-        db.view_as(bias) if bias_grad else None,
-    )
-
-
 def _affine_like(x, weight, bias):
     if weight is not None and weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
@@ -78,29 +61,11 @@ def _affine_like(x, weight, bias):
     return weight, bias
 
 
-class _LayerNormKeepInput(torch.autograd.Function):
-    """(LayerNorm(x), x): the second output is ``x`` itself (autograd returns it as a view with
-    this node as its grad_fn), so both gradients of ``x`` meet in this backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        ctx.set_materialize_grads(False)
-        y, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, weight, bias, eps, False)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        return y, x
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_residual):
-        if grad_y is None:
-            return grad_residual, None, None, None
-        return _input_grads(ctx, grad_y, grad_residual) + (None,)
-
-
 def layer_norm_residual_cuda(x, weight, bias, eps: float = 1e-5):
     """``(layer_norm(x), x)``; the residual's gradient is added inside LayerNorm's backward.
     For inputs :func:`supports` takes."""
     weight, bias = _affine_like(x, weight, bias)
-    return _LayerNormKeepInput.apply(x, weight, bias, float(eps))
+    return torch.ops.ls_fairseq.layer_norm_residual(x, weight, bias, float(eps))
 
 
 def layer_norm_cuda(x, weight, bias, eps: float = 1e-5, invertible: bool = False):

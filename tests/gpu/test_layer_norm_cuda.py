@@ -271,7 +271,8 @@ def test_opcheck(kernels):
 
 # ---------------------------------------------------------------- LayerNorm + residual gradient
 # Pre-LN blocks read x twice: z = g(layer_norm(x)) + x. ``layer_norm_residual_cuda`` returns
-# (y, x) and adds the residual branch's gradient of x inside the backward kernel.
+# (y, x) and adds the residual branch's gradient of x inside the backward kernel; it is the op
+# ``ls_fairseq::layer_norm_residual`` (CompositeImplicitAutograd, csrc/layer_norm_autograd.cpp).
 
 
 def _residual_truth(x, w, b, gy, gr, eps=1e-5):
@@ -365,3 +366,59 @@ def test_opcheck_residual(kernels):
         torch.ops.ls_fairseq.layer_norm_bwd.default,
         (gy, x, w, b, mean, rstd, False, True, True, torch.randn_like(gy)),
     )
+
+
+def test_opcheck_layer_norm_residual(kernels):
+    """The composite op: schema (its second output aliases x), autograd (by decomposition), fake
+    tensors (through layer_norm_fwd/_bwd's fakes) and AOT, with and without the affine
+    parameters."""
+    for dtype in (torch.float32, torch.float16):
+        x, w, b, _ = _inputs(7, 40, dtype, seed=3)
+        for wi, bi in ((w, b), (None, None), (w, None)):
+            args = [t.detach().clone().requires_grad_() if t is not None else None
+                    for t in (x, wi, bi)]
+            torch.library.opcheck(torch.ops.ls_fairseq.layer_norm_residual.default,
+                                  (*args, 1e-5))
+
+
+class _KeepInput(torch.autograd.Function):
+    """The same kernel calls from a Python autograd.Function: the op's oracle, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps):
+        ctx.set_materialize_grads(False)
+        y, mean, rstd = torch.ops.ls_fairseq.layer_norm_fwd(x, w, b, eps, False)
+        ctx.save_for_backward(x, w, b, mean, rstd)
+        return y, x
+
+    @staticmethod
+    def backward(ctx, gy, gr):
+        if gy is None:
+            return gr, None, None, None
+        x, w, b, mean, rstd = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        wg, bg = bool(nw and w is not None), bool(nb and b is not None)
+        dx, dw, db = torch.ops.ls_fairseq.layer_norm_bwd(gy, x, w, b, mean, rstd, False, wg, bg,
+                                                         gr if nx else None)
+        return (dx if nx else None, dw.view_as(w) if wg else None, db.view_as(b) if bg else None,
+                None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("outs", ["y", "r", "yr"])
+def test_residual_op_is_bitwise_the_python_function(dtype, outs, kernels):
+    x, w, b, gy = _inputs(33, 1030, dtype, seed=5)
+    gr = torch.randn_like(gy)
+    results = []
+    for fn in (kernels.layer_norm_residual_cuda, _KeepInput.apply):
+        xi, wi, bi = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y, r = fn(xi, wi, bi, 1e-5)
+        assert r.data_ptr() == xi.data_ptr()
+        pairs = [(y, gy)] * ("y" in outs) + [(r, gr)] * ("r" in outs)
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        results.append([y.detach()] + [t.grad for t in (xi, wi, bi)])
+    for a, e in zip(*results):
+        assert (a is None) == (e is None) and (a is None or torch.equal(a, e)), outs
+    with torch.inference_mode():  # below autograd: the same composite, no graph
+        y, r = kernels.layer_norm_residual_cuda(x, w, b, 1e-5)
+    assert torch.equal(y, results[0][0]) and r.data_ptr() == x.data_ptr()
