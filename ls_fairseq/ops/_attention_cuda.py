@@ -36,11 +36,38 @@ the same order at that backend: ``efficient`` never picks ``short``, ``softmax``
 For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also writes the gradient
 straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
 
-The autograd is Python (one ``torch.autograd.Function`` per backend: the ops' extra outputs, the
-aten kernels and the packed layouts are not one op's interface); the fake-tensor shapes of the
-``ls_fairseq`` ops are registered once the extension is loaded (``_extension.when_loaded``). What
-the kernels take is :func:`supports` (the softmax backend runs every such problem); the public
-module runs the reference otherwise.
+Autograd: every backend is one ``torch.library`` op whose backward is registered with
+``torch.library.register_autograd`` (``setup_context`` saves what the backward op reads; the
+extra outputs are marked non-differentiable and their gradients are never materialised):
+
+======================================  ==============================================  ==========
+op                                      forward                                         defined
+======================================  ==============================================  ==========
+``attention_fwd``                       softmax kernel -> (out, probs, rng)             csrc
+``short_attention_fwd``                 short kernel -> (out, lse, rng)                 csrc
+``short_attention_packed_fwd``          ``short_attention_fwd`` on qkv's q/k/v views    here
+``efficient_attention_fwd``             aten's kernel -> (out, lse, seed, offset)       here
+``efficient_attention_packed_fwd``      the same on qkv's q/k/v views                   here
+======================================  ==============================================  ==========
+
+The csrc ops get their autograd directly. The other three are Python ops (``Library.define``
+with a ``CompositeExplicitAutograd`` kernel, which costs less host time per call than
+``torch.library.custom_op``): the packed ones take qkv itself, so that the backward hands back
+d(qkv) written in place (the short kernel into one ``[B, T, 3, H, D]`` buffer, aten's via
+``shared_storage_dqdkdv``); the efficient ones call aten's kernels with the arguments chosen here
+(the log-sum-exp only where a gradient may be needed, as ``needs_input_grad`` says). All of
+them, and the fakes (meta kernels) of every op, are registered once the extension is loaded
+(``_extension.when_loaded``). The seed and offset of aten's kernel are CPU tensors outside CUDA
+graph capture (GPU tensors inside it): the fakes say CPU.
+
+Host time (CPU stand-ins of the kernels, a loaded 2-core Xeon): forward + backward costs 40-50
+us (short, softmax) and 55-70 us (efficient) more than a ``torch.autograd.Function`` around the
+same kernel calls (80-115 us). ~17 us of it is ``register_autograd``'s forward filling in the
+defaults of a 7-argument schema, a cost quadratic in the number of arguments: the Python ops'
+schemas carry nothing the kernel can derive (the scale, the training flag). The forward alone
+under ``no_grad`` costs about what it costs with the Function. What the kernels take is
+:func:`supports` (the softmax backend runs every such problem); the public module runs the
+reference otherwise.
 """
 import torch
 
@@ -56,8 +83,6 @@ SHORT_HEAD_DIMS = (16, 32, 64, 128)
 _NO_MASK = 0
 _CAUSAL_BOTTOM_RIGHT = 2
 
-_fakes_registered = False
-
 
 def supports(q, k, v) -> bool:
     """Whether the CUDA path takes q, k, v: one dtype of float16/bfloat16/float32 (shapes are
@@ -70,46 +95,255 @@ def backend_setting() -> str:
     return _extension.env_value(ENV_VAR)  # also checked when the plugin loads
 
 
-def _register_fakes():
-    """Fake (meta) kernels for the C++ ops, so torch.compile / opcheck can trace them (run once,
-    by ``_extension.when_loaded``; calling it again does nothing)."""
-    global _fakes_registered
-    if _fakes_registered:
+# ------------------------------------------------------------------------------------ autograd
+# setup_context/backward pairs of the ops above. Every setup turns off the materialisation of
+# gradients: the extra outputs (probs, lse, rng, seed, offset) get none, and materialising
+# them would allocate zeros in every backward.
+
+
+def _softmax_fwd_fake(q, k, v, key_padding_mask, causal, dropout_p, training):
+    b, h, tq, _ = q.shape
+    tk, dv = k.shape[2], v.shape[3]
+    return (q.new_empty((b, h, tq, dv)), q.new_empty((b, h, tq, tk)),
+            q.new_empty((2,), dtype=torch.long))
+
+
+def _softmax_bwd_fake(grad_out, q, k, v, probs, rng_state, dropout_p):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _softmax_setup(ctx, inputs, output):
+    q, k, v, _key_padding_mask, _causal, dropout_p, training = inputs
+    _out, probs, rng = output
+    ctx.mark_non_differentiable(probs, rng)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, probs, rng)
+    ctx.dropout_p = dropout_p if (training and dropout_p > 0.0) else 0.0
+
+
+def _softmax_backward(ctx, grad, _grad_probs, _grad_rng):
+    if grad is None:
+        return (None,) * 7
+    q, k, v, probs, rng = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ls_fairseq.attention_bwd(grad, q, k, v, probs, rng, ctx.dropout_p)
+    return dq, dk, dv, None, None, None, None
+
+
+def _short_fwd_fake(q, k, v, key_padding_mask, causal, dropout_p, training):
+    b, h, tq, d = q.shape
+    return (q.new_empty((b, tq, h, d)).transpose(1, 2),
+            q.new_empty((b, h, tq), dtype=torch.float32), q.new_empty((2,), dtype=torch.long))
+
+
+def _short_bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, causal, rng_state, dropout_p,
+                    grad_q, grad_k, grad_v):
+    return None
+
+
+# short_attention_packed_fwd drops whenever dropout_p > 0 (no training flag; see "Host time")
+def _short_packed_impl(qkv, key_padding_mask, causal, dropout_p):
+    return torch.ops.ls_fairseq.short_attention_fwd(*qkv.permute(2, 0, 3, 1, 4), key_padding_mask,
+                                                    causal, dropout_p, dropout_p > 0.0)
+
+
+def _short_packed_fake(qkv, key_padding_mask, causal, dropout_p):
+    return _short_fwd_fake(*qkv.permute(2, 0, 3, 1, 4), key_padding_mask, causal, dropout_p,
+                           dropout_p > 0.0)
+
+
+def _short_keep(ctx, inputs, key_padding_mask, causal, dropout_p, training, output):
+    """What both short ops' backward reads: the inputs (q, k, v or qkv), the mask and the
+    forward's out, lse and rng."""
+    out, lse, rng = output
+    ctx.mark_non_differentiable(lse, rng)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs, key_padding_mask, out, lse, rng)
+    # the kernel drops nothing unless training (the backward op has no such flag)
+    ctx.causal, ctx.dropout_p = causal, (dropout_p if training else 0.0)
+
+
+def _short_run_backward(ctx, grad, q, k, v, key_padding_mask, out, lse, rng, grads):
+    """The backward op, writing dq/dk/dv into ``grads``."""
+    torch.ops.ls_fairseq.short_attention_bwd(
+        _grad_for_kernel(grad), q, k, v, out, lse, key_padding_mask, ctx.causal, rng,
+        ctx.dropout_p, *grads,
+    )
+
+
+def _short_setup(ctx, inputs, output):
+    q, k, v, key_padding_mask, causal, dropout_p, training = inputs
+    _short_keep(ctx, (q, k, v), key_padding_mask, causal, dropout_p, training, output)
+
+
+def _short_backward(ctx, grad, _grad_lse, _grad_rng):
+    if grad is None:
+        return (None,) * 7
+    q, k, v, kpm, out, lse, rng = ctx.saved_tensors
+    grads = _bhtd_grads(q, k)
+    _short_run_backward(ctx, grad, q, k, v, kpm, out, lse, rng, grads)
+    return (*grads, None, None, None, None)
+
+
+def _short_packed_setup(ctx, inputs, output):
+    qkv, key_padding_mask, causal, dropout_p = inputs
+    _short_keep(ctx, (qkv,), key_padding_mask, causal, dropout_p, dropout_p > 0.0, output)
+
+
+def _short_packed_backward(ctx, grad, _grad_lse, _grad_rng):
+    """dq/dk/dv written straight into one [B, T, 3, H, D] buffer, which is d(qkv)."""
+    if grad is None:
+        return (None,) * 4
+    qkv, kpm, out, lse, rng = ctx.saved_tensors
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    _short_run_backward(ctx, grad, *qkv.permute(2, 0, 3, 1, 4), kpm, out, lse, rng,
+                        dqkv.permute(2, 0, 3, 1, 4))
+    return dqkv, None, None, None
+
+
+def _efficient_forward(q, k, v, bias, mask_type, dropout_p, compute_log_sumexp):
+    """aten's kernel on [B, T, H, D] q/k/v, scores scaled by head_dim ** -0.5: (out [B, Tq, H, D]
+    memory seen as [B, H, Tq, D], lse, seed, offset)."""
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, bias, None, None, None, None, dropout_p, mask_type, compute_log_sumexp,
+        scale=q.size(-1) ** -0.5,
+    )
+    return out.transpose(1, 2), lse, seed, offset
+
+
+def _efficient_impl(q, k, v, bias, mask_type, dropout_p, compute_log_sumexp):
+    # [B, H, T, D] views -> the kernel's [B, T, H, D] layout (free: strides only)
+    return _efficient_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias,
+                              mask_type, dropout_p, compute_log_sumexp)
+
+
+def _efficient_packed_impl(qkv, bias, mask_type, dropout_p, compute_log_sumexp):
+    # qkv [B, T, 3, H, D]: q/k/v are [B, T, H, D] views, the kernel's own layout
+    return _efficient_forward(*qkv.unbind(2), bias, mask_type, dropout_p, compute_log_sumexp)
+
+
+def _cpu_seed_offset(outputs):
+    """aten's meta kernel gives the seed and offset on the meta device; the kernel gives CPU
+    tensors (outside CUDA graph capture), which is what the fakes must say."""
+    out, lse, _, _ = outputs
+    return (out, lse, torch.empty((), dtype=torch.long, device="cpu"),
+            torch.empty((), dtype=torch.long, device="cpu"))
+
+
+def _efficient_fake(*args):
+    return _cpu_seed_offset(_efficient_impl(*args))
+
+
+def _efficient_packed_fake(*args):
+    return _cpu_seed_offset(_efficient_packed_impl(*args))
+
+
+def _efficient_keep(ctx, inputs, bias, mask_type, dropout_p, output):
+    out, lse, seed, offset = output
+    ctx.mark_non_differentiable(lse, seed, offset)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs, bias, out, lse, seed, offset)
+    ctx.mask_type, ctx.dropout_p = mask_type, dropout_p
+
+
+def _efficient_run_backward(ctx, grad, q, k, v, bias, out, lse, seed, offset, **kwargs):
+    """aten's backward on [B, T, H, D] q/k/v -> (dq, dk, dv) in that layout."""
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        grad.transpose(1, 2), q, k, v, bias, out.transpose(1, 2), None, None, q.size(1),
+        k.size(1), lse, ctx.dropout_p, seed, offset, ctx.mask_type, False,
+        scale=q.size(-1) ** -0.5, **kwargs,
+    )
+    return dq, dk, dv
+
+
+def _efficient_setup(ctx, inputs, output):
+    q, k, v, bias, mask_type, dropout_p, _compute_log_sumexp = inputs
+    _efficient_keep(ctx, (q, k, v), bias, mask_type, dropout_p, output)
+
+
+def _efficient_backward(ctx, grad, _grad_lse, _grad_seed, _grad_offset):
+    if grad is None:
+        return (None,) * 7
+    q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
+    dq, dk, dv = _efficient_run_backward(ctx, grad, q.transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2), bias, out, lse, seed, offset)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
+
+
+def _efficient_packed_setup(ctx, inputs, output):
+    qkv, bias, mask_type, dropout_p, _compute_log_sumexp = inputs
+    _efficient_keep(ctx, (qkv,), bias, mask_type, dropout_p, output)
+
+
+def _efficient_packed_backward(ctx, grad, _grad_lse, _grad_seed, _grad_offset):
+    """The kernel writes dq/dk/dv into one [B, T, 3, H, D] buffer (``shared_storage_dqdkdv``),
+    which *is* d(qkv), so no stack/copy of the three gradients follows."""
+    if grad is None:
+        return (None,) * 5
+    qkv, bias, out, lse, seed, offset = ctx.saved_tensors
+    dq, dk, dv = _efficient_run_backward(ctx, grad, *qkv.unbind(2), bias, out, lse, seed, offset,
+                                         shared_storage_dqdkdv=True)
+    b, t, _, h, d = qkv.shape
+    strides = (t * 3 * h * d, 3 * h * d, h * d, d, 1)
+    # storages and offsets, not data pointers: also traceable (fake tensors have none)
+    if (
+        dq.stride() == (strides[0], strides[1], strides[3], 1)
+        and torch._C._is_alias_of(dk, dq) and torch._C._is_alias_of(dv, dq)
+        and dk.storage_offset() == dq.storage_offset() + h * d
+        and dv.storage_offset() == dq.storage_offset() + 2 * h * d
+    ):
+        dqkv = dq.as_strided(qkv.shape, strides, dq.storage_offset())
+    else:  # another torch lays the gradients out differently: pack them
+        dqkv = torch.stack((dq, dk, dv), 2)
+    return dqkv, None, None, None, None
+
+
+#: the Python ops: name -> (schema, kernel, fake, setup_context, backward)
+PYTHON_OPS = {
+    "short_attention_packed_fwd": (
+        "(Tensor qkv, Tensor? key_padding_mask, bool causal, float dropout_p) -> "
+        "(Tensor, Tensor, Tensor)",
+        _short_packed_impl, _short_packed_fake, _short_packed_setup, _short_packed_backward),
+    "efficient_attention_fwd": (
+        "(Tensor q, Tensor k, Tensor v, Tensor? bias, int mask_type, float dropout_p, "
+        "bool compute_log_sumexp) -> (Tensor, Tensor, Tensor, Tensor)",
+        _efficient_impl, _efficient_fake, _efficient_setup, _efficient_backward),
+    "efficient_attention_packed_fwd": (
+        "(Tensor qkv, Tensor? bias, int mask_type, float dropout_p, bool compute_log_sumexp) -> "
+        "(Tensor, Tensor, Tensor, Tensor)",
+        _efficient_packed_impl, _efficient_packed_fake, _efficient_packed_setup,
+        _efficient_packed_backward),
+}
+
+_lib = None  # the torch.library.Library of the Python ops (kept alive: it owns them)
+
+
+def _register():
+    """Fakes and autograd of the csrc ops, and the Python ops (run once, by
+    ``_extension.when_loaded``; calling it again does nothing)."""
+    global _lib
+    if _lib is not None:
         return
-    _fakes_registered = True
-
-    @torch.library.register_fake("ls_fairseq::attention_fwd")
-    def _(q, k, v, key_padding_mask, causal, dropout_p, training):
-        b, h, tq, _ = q.shape
-        tk, dv = k.shape[2], v.shape[3]
-        return (
-            q.new_empty((b, h, tq, dv)),
-            q.new_empty((b, h, tq, tk)),
-            q.new_empty((2,), dtype=torch.long),
-        )
-
-    @torch.library.register_fake("ls_fairseq::attention_bwd")
-    def _(grad_out, q, k, v, probs, rng_state, dropout_p):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
+    _lib = torch.library.Library("ls_fairseq", "FRAGMENT")
+    register_fake, register_autograd = torch.library.register_fake, torch.library.register_autograd
+    register_fake("ls_fairseq::attention_fwd", _softmax_fwd_fake)
+    register_fake("ls_fairseq::attention_bwd", _softmax_bwd_fake)
+    register_autograd("ls_fairseq::attention_fwd", _softmax_backward, setup_context=_softmax_setup)
+    names = ["efficient_attention_fwd", "efficient_attention_packed_fwd"]
     if _extension.has_op("short_attention_fwd"):
-
-        @torch.library.register_fake("ls_fairseq::short_attention_fwd")
-        def _(q, k, v, key_padding_mask, causal, dropout_p, training):
-            b, h, tq, d = q.shape
-            return (
-                q.new_empty((b, tq, h, d)).transpose(1, 2),
-                q.new_empty((b, h, tq), dtype=torch.float32),
-                q.new_empty((2,), dtype=torch.long),
-            )
-
-        @torch.library.register_fake("ls_fairseq::short_attention_bwd")
-        def _(grad_out, q, k, v, out, lse, key_padding_mask, causal, rng_state, dropout_p,
-              grad_q, grad_k, grad_v):
-            return None
+        register_fake("ls_fairseq::short_attention_fwd", _short_fwd_fake)
+        register_fake("ls_fairseq::short_attention_bwd", _short_bwd_fake)
+        register_autograd("ls_fairseq::short_attention_fwd", _short_backward,
+                          setup_context=_short_setup)
+        names.insert(0, "short_attention_packed_fwd")
+    for name in names:
+        schema, kernel, fake, setup, backward = PYTHON_OPS[name]
+        _lib.define(name + schema)
+        _lib.impl(name, kernel, "CompositeExplicitAutograd")
+        register_fake(f"ls_fairseq::{name}", fake, lib=_lib)
+        register_autograd(f"ls_fairseq::{name}", backward, setup_context=setup, lib=_lib)
 
 
-_extension.when_loaded(_register_fakes)
+_extension.when_loaded(_register)
 
 
 _device_info = {}
@@ -135,8 +369,12 @@ def _short_smem_bytes(tq: int, tk: int, d: int, elem: int) -> int:
 
 
 def _aligned_view(x) -> bool:
-    return (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1])
-            and x.data_ptr() % 16 == 0)
+    if not (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1])):
+        return False
+    try:
+        return x.data_ptr() % 16 == 0
+    except RuntimeError:  # a traced tensor (fake, functional) has no data: storages are aligned
+        return x.storage_offset() * x.element_size() % 16 == 0
 
 
 def short_supported(q, k, v) -> bool:
@@ -225,89 +463,6 @@ def _padding_bias(key_padding_mask, heads: int, tq: int, dtype):
     return bias[:, None, None, :tk].expand(b, heads, tq, tk)
 
 
-class _EfficientAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, mask_type, dropout_p, scale):
-        # [B, H, T, D] views -> the kernel's [B, T, H, D] layout (free: strides only)
-        qt, kt, vt = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        qt, kt, vt = qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2)
-        need_grad = any(ctx.needs_input_grad[:3])
-        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-            qt, kt, vt, bias, None, None, None, None, dropout_p, mask_type, need_grad, scale=scale
-        )
-        if need_grad:
-            ctx.save_for_backward(qt, kt, vt, bias, out, lse, seed, offset)
-        ctx.mask_type, ctx.dropout_p, ctx.scale = mask_type, dropout_p, scale
-        return out.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        qt, kt, vt, bias, out, lse, seed, offset = ctx.saved_tensors
-        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            grad.transpose(1, 2), qt, kt, vt, bias, out, None, None, qt.size(1), kt.size(1), lse,
-            ctx.dropout_p, seed, offset, ctx.mask_type, False, scale=ctx.scale,
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
-
-
-class _SoftmaxAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, dropout_p, training):
-        out, probs, rng = torch.ops.ls_fairseq.attention_fwd(
-            q, k, v, key_padding_mask, causal, dropout_p, training
-        )
-        if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, probs, rng)
-        ctx.dropout_p = dropout_p if (training and dropout_p > 0.0) else 0.0
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, probs, rng = ctx.saved_tensors
-        dq, dk, dv = torch.ops.ls_fairseq.attention_bwd(grad, q, k, v, probs, rng, ctx.dropout_p)
-        return dq, dk, dv, None, None, None, None
-
-
-class _EfficientPackedSelfAttention(torch.autograd.Function):
-    """Self-attention straight from the packed projection output qkv [B, T, 3, H, D]: backward asks
-    the kernel for dq/dk/dv in one [B, T, 3, H, D] buffer (``shared_storage_dqdkdv``), which *is*
-    d(qkv), so no stack/copy of the three gradients follows."""
-
-    @staticmethod
-    def forward(ctx, qkv, bias, mask_type, dropout_p, scale):
-        q, k, v = qkv.unbind(2)  # [B, T, H, D] each: the kernel's own layout
-        need_grad = ctx.needs_input_grad[0]
-        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-            q, k, v, bias, None, None, None, None, dropout_p, mask_type, need_grad, scale=scale
-        )
-        if need_grad:
-            ctx.save_for_backward(qkv, bias, out, lse, seed, offset)
-        ctx.mask_type, ctx.dropout_p, ctx.scale = mask_type, dropout_p, scale
-        return out.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        qkv, bias, out, lse, seed, offset = ctx.saved_tensors
-        q, k, v = qkv.unbind(2)
-        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            grad.transpose(1, 2), q, k, v, bias, out, None, None, q.size(1), k.size(1), lse,
-            ctx.dropout_p, seed, offset, ctx.mask_type, False, scale=ctx.scale,
-            shared_storage_dqdkdv=True,
-        )
-        b, t, _, h, d = qkv.shape
-        strides = (t * 3 * h * d, 3 * h * d, h * d, d, 1)
-        item = dq.element_size()
-        if (
-            dq.stride() == (strides[0], strides[1], strides[3], 1)
-            and dk.data_ptr() == dq.data_ptr() + h * d * item
-            and dv.data_ptr() == dq.data_ptr() + 2 * h * d * item
-        ):
-            dqkv = dq.as_strided(qkv.shape, strides, dq.storage_offset())
-        else:  # another torch lays the gradients out differently: pack them
-            dqkv = torch.stack((dq, dk, dv), 2)
-        return dqkv, None, None, None, None
-
-
 def _bhtd_grads(like_q, like_k):
     """Fresh dq/dk/dv as [B, H, T, D] views of [B, T, H, D] memory (the kernel's aligned layout)."""
     b, h, tq, d = like_q.shape
@@ -320,60 +475,6 @@ def _bhtd_grads(like_q, like_k):
 
 def _grad_for_kernel(grad):
     return grad if _aligned_view(grad) else grad.contiguous()
-
-
-def _short_forward(ctx, q, k, v, key_padding_mask, causal, dropout_p):
-    """The forward op; keeps what both autograd nodes' backward needs on ctx."""
-    out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(
-        q, k, v, key_padding_mask, causal, dropout_p, dropout_p > 0.0
-    )
-    ctx.causal, ctx.dropout_p = causal, dropout_p
-    return out, lse, rng
-
-
-def _short_backward(ctx, grad, q, k, v, key_padding_mask, out, lse, rng, grads):
-    """The backward op, writing dq/dk/dv into ``grads``."""
-    torch.ops.ls_fairseq.short_attention_bwd(
-        _grad_for_kernel(grad), q, k, v, out, lse, key_padding_mask, ctx.causal, rng,
-        ctx.dropout_p, *grads,
-    )
-
-
-class _ShortAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, dropout_p):
-        out, lse, rng = _short_forward(ctx, q, k, v, key_padding_mask, causal, dropout_p)
-        if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, key_padding_mask, out, lse, rng)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, kpm, out, lse, rng = ctx.saved_tensors
-        grads = _bhtd_grads(q, k)
-        _short_backward(ctx, grad, q, k, v, kpm, out, lse, rng, grads)
-        return (*grads, None, None, None)
-
-
-class _ShortPackedSelfAttention(torch.autograd.Function):
-    """Self-attention from the packed projection qkv [B, T, 3, H, D]; backward writes dq/dk/dv
-    straight into one [B, T, 3, H, D] buffer, which is d(qkv)."""
-
-    @staticmethod
-    def forward(ctx, qkv, key_padding_mask, causal, dropout_p):
-        out, lse, rng = _short_forward(ctx, *qkv.permute(2, 0, 3, 1, 4), key_padding_mask, causal,
-                                       dropout_p)
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(qkv, key_padding_mask, out, lse, rng)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        qkv, kpm, out, lse, rng = ctx.saved_tensors
-        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        _short_backward(ctx, grad, *qkv.permute(2, 0, 3, 1, 4), kpm, out, lse, rng,
-                        dqkv.permute(2, 0, 3, 1, 4))
-        return dqkv, None, None, None
 
 
 def _short_mask(key_padding_mask):
@@ -397,7 +498,8 @@ def attention_cuda_packed(
     p = float(dropout_p) if training else 0.0
     choice = _pick(backend, q, k, v, causal) if qkv.stride(-1) == 1 else "softmax"
     if choice == "short":
-        return _ShortPackedSelfAttention.apply(qkv, _short_mask(key_padding_mask), causal, p)
+        return torch.ops.ls_fairseq.short_attention_packed_fwd(
+            qkv, _short_mask(key_padding_mask), causal, p)[0]
     if choice != "efficient":
         return attention_cuda(q, k, v, key_padding_mask, causal, dropout_p, training, backend)
     t = qkv.size(1)
@@ -405,7 +507,8 @@ def attention_cuda_packed(
     if key_padding_mask is not None:
         bias = _padding_bias(key_padding_mask, qkv.size(3), t, qkv.dtype)
     mask_type = _CAUSAL_BOTTOM_RIGHT if (causal and t > 1) else _NO_MASK
-    return _EfficientPackedSelfAttention.apply(qkv, bias, mask_type, p, qkv.size(-1) ** -0.5)
+    return torch.ops.ls_fairseq.efficient_attention_packed_fwd(qkv, bias, mask_type, p,
+                                                               qkv.requires_grad)[0]
 
 
 def attention_cuda(
@@ -425,7 +528,8 @@ def attention_cuda(
     causal = bool(causal)
     choice = _pick(backend, q, k, v, causal)
     if choice == "short":
-        return _ShortAttention.apply(q, k, v, _short_mask(key_padding_mask), causal, p)
+        return torch.ops.ls_fairseq.short_attention_fwd(
+            q, k, v, _short_mask(key_padding_mask), causal, p, p > 0.0)[0]
     if choice == "efficient":
         tq, tk = q.size(-2), k.size(-2)
         bias = None
@@ -433,5 +537,9 @@ def attention_cuda(
             bias = _padding_bias(key_padding_mask, q.size(1), tq, q.dtype)
         # a single query (incremental decoding) sees every cached key: no causal mask needed
         mask_type = _CAUSAL_BOTTOM_RIGHT if (causal and tq > 1) else _NO_MASK
-        return _EfficientAttention.apply(q, k, v, bias, mask_type, p, q.size(-1) ** -0.5)
-    return _SoftmaxAttention.apply(q, k, v, key_padding_mask, causal, p, bool(training))
+        # the log-sum-exp only where a backward may need it (as needs_input_grad would say)
+        lse = q.requires_grad or k.requires_grad or v.requires_grad
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return torch.ops.ls_fairseq.efficient_attention_fwd(q, k, v, bias, mask_type, p, lse)[0]
+    return torch.ops.ls_fairseq.attention_fwd(q, k, v, key_padding_mask, causal, p,
+                                              bool(training))[0]

@@ -472,15 +472,57 @@ def test_packed_self_attention_matches_views():
             torch.testing.assert_close(leaves[0].grad, ref[1], atol=EPS[dtype], rtol=EPS[dtype])
 
 
+OPCHECK_ALL = ("test_schema", "test_autograd_registration", "test_faketensor",
+               "test_aot_dispatch_dynamic")
+
+
+def _aten_efficient_backward_traces():
+    """Whether aten's own fake of _efficient_attention_backward runs (torch 2.13's meta kernel
+    lacks the schema's ``out`` argument: every call under FakeTensorMode raises TypeError); tracing
+    the efficient ops' backward (test_aot_dispatch_dynamic) needs it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode():
+            x = torch.empty(1, 2, 1, 8, device=DEV, dtype=torch.float16)
+            lse = torch.empty(1, 1, 32, device=DEV)
+            s = torch.empty((), dtype=torch.long)
+            torch.ops.aten._efficient_attention_backward(x, x, x, x, None, x, None, None, 2, 2, lse,
+                                                         0.0, s, s, 0, False, scale=1.0)
+    except TypeError:
+        return False
+    return True
+
+
 def test_opcheck():
+    """Every op of the softmax and efficient backends, with its autograd (dropout 0: the
+    outputs are compared)."""
     from ls_fairseq.ops import _attention_cuda as ac
 
-    ac._register_fakes()
-    q = torch.randn(2, 3, 5, 16, device=DEV, dtype=torch.float16)
-    k = torch.randn(2, 3, 9, 16, device=DEV, dtype=torch.float16)
+    ac._register()
+    ops = torch.ops.ls_fairseq
+    h = dict(device=DEV, dtype=torch.float16)
+    q = torch.randn(2, 3, 5, 16, **h).requires_grad_()
+    k = torch.randn(2, 3, 9, 16, **h).requires_grad_()
+    v = torch.randn(2, 3, 9, 16, **h).requires_grad_()
     kpm = torch.rand(2, 9, device=DEV) < 0.3
-    torch.library.opcheck(torch.ops.ls_fairseq.attention_fwd.default, (q, k, k, kpm, True, 0.0, False),
-                          test_utils=("test_schema", "test_faketensor"))
-    out, probs, rng = torch.ops.ls_fairseq.attention_fwd(q, k, k, kpm, True, 0.0, False)
-    torch.library.opcheck(torch.ops.ls_fairseq.attention_bwd.default, (out, q, k, k, probs, rng, 0.0),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, kpm, True, 0.0, False))
+    with torch.no_grad():
+        out, probs, rng = ops.attention_fwd(q, k, v, kpm, True, 0.0, False)
+        torch.library.opcheck(ops.attention_bwd.default,
+                              (out, q.detach(), k.detach(), v.detach(), probs, rng, 0.0),
+                              test_utils=("test_schema", "test_faketensor"))
+    utils = OPCHECK_ALL if _aten_efficient_backward_traces() else OPCHECK_ALL[:3]
+    # 16 keys: opcheck clones the zero-stride bias view into a dense [B, H, Tq, Tk] tensor,
+    # whose strides the kernel wants in multiples of 8 (the binding's views always are)
+    k, v = (torch.randn(2, 3, 16, 16, **h).requires_grad_() for _ in range(2))
+    kpm = torch.rand(2, 16, device=DEV) < 0.3
+    bias = ac._padding_bias(kpm, 3, 5, torch.float16)
+    torch.library.opcheck(ops.efficient_attention_fwd.default,
+                          (q, k, v, bias, ac._CAUSAL_BOTTOM_RIGHT, 0.0, True),
+                          test_utils=utils)
+    qkv = torch.randn(2, 16, 3, 3, 16, **h).requires_grad_()
+    for bias, mask_type in ((None, ac._NO_MASK),
+                            (ac._padding_bias(kpm, 3, 16, torch.float16), ac._CAUSAL_BOTTOM_RIGHT)):
+        torch.library.opcheck(ops.efficient_attention_packed_fwd.default,
+                              (qkv, bias, mask_type, 0.0, True), test_utils=utils)

@@ -248,16 +248,25 @@ def test_input_checks():
 
 
 def test_opcheck():
+    """short_attention_fwd with its autograd, short_attention_bwd, and the packed op (dropout
+    0: the outputs are compared)."""
     from ls_fairseq.ops import _attention_cuda as ac
 
-    ac._register_fakes()
-    q = torch.randn(2, 3, 5, 16, device=DEV, dtype=torch.float16)
-    k = torch.randn(2, 3, 9, 16, device=DEV, dtype=torch.float16)
+    ac._register()
+    ops = torch.ops.ls_fairseq
+    h = dict(device=DEV, dtype=torch.float16)
+    q = torch.randn(2, 3, 5, 16, **h).requires_grad_()
+    k = torch.randn(2, 3, 9, 16, **h).requires_grad_()
+    v = torch.randn(2, 3, 9, 16, **h).requires_grad_()
     kpm = torch.rand(2, 9, device=DEV) < 0.3
-    torch.library.opcheck(torch.ops.ls_fairseq.short_attention_fwd.default, (q, k, k, kpm, True, 0.0, False),
-                          test_utils=("test_schema", "test_faketensor"))
-    out, lse, rng = torch.ops.ls_fairseq.short_attention_fwd(q, k, k, kpm, True, 0.0, False)
-    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k))
-    torch.library.opcheck(torch.ops.ls_fairseq.short_attention_bwd.default,
-                          (out, q, k, k, out, lse, kpm, True, rng, 0.0, *grads),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.short_attention_fwd.default, (q, k, v, kpm, True, 0.0, False))
+    with torch.no_grad():
+        q, k, v = q.detach(), k.detach(), v.detach()
+        out, lse, rng = ops.short_attention_fwd(q, k, v, kpm, True, 0.0, False)
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        torch.library.opcheck(ops.short_attention_bwd.default,
+                              (out, q, k, v, out, lse, kpm, True, rng, 0.0, *grads),
+                              test_utils=("test_schema", "test_faketensor"))
+    qkv = torch.randn(2, 9, 3, 3, 16, **h).requires_grad_()
+    for mask, causal in ((kpm, True), (None, False)):
+        torch.library.opcheck(ops.short_attention_packed_fwd.default, (qkv, mask, causal, 0.0))
