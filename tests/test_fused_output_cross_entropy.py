@@ -2,15 +2,21 @@
 
 Reference = fairseq's own ``label_smoothed_nll_loss`` on ``log_softmax((hidden @ W.T).float())``
 with autograd for the gradients w.r.t. hidden and W. Fresh random inputs per case; odd vocab and
-token counts, chunk sizes that do and do not divide the token count, padding rows.
+token counts, chunk sizes that do and do not divide the token count, padding rows. The custom op
+``ls_fairseq::fused_output_cross_entropy_fwd`` itself: ``torch.library.opcheck`` (schema, autograd
+registration, fake, AOT autograd), gradients computed only for the inputs that need them, a
+retained graph's second backward. Its kernel branch (the CE kernels per chunk) runs over CPU
+stand-ins in tests/cross_entropy_autograd_check.py.
 """
 import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
+from ls_fairseq.ops import fused_output_cross_entropy as fused_module
 from ls_fairseq.ops.fused_output_cross_entropy import (
     default_chunk_size,
     fused_output_cross_entropy,
+    fused_output_cross_entropy_fwd,
 )
 
 
@@ -144,6 +150,64 @@ def test_rejects_bad_shapes():
         fused_output_cross_entropy(torch.randn(4, 5), torch.randn(7, 6), torch.zeros(4).long(), 0.1, 1)
     with pytest.raises(ValueError):
         fused_output_cross_entropy(torch.randn(4, 5), torch.randn(1, 5), torch.zeros(4).long(), 0.1, 1)
+
+
+@pytest.mark.parametrize("dtype,grads,chunk,pad", [
+    (torch.float32, (True, True), 4, 1),
+    (torch.float64, (True, False), None, 1),
+    (torch.bfloat16, (False, True), 3, -(2**63)),  # ignore_index=None
+    (torch.float32, (False, False), 5, 2),
+])
+def test_opcheck(dtype, grads, chunk, pad):
+    """Schema, autograd registration, fake implementation and AOT autograd of the op, with and
+    without accuracy and for each set of gradients asked for."""
+    hidden, weight, target = _inputs(11, 8, 13, dtype, 1 if pad == -(2**63) else pad, 0.3, seed=4)
+    args_of = lambda acc: (hidden.clone().requires_grad_(grads[0]),  # noqa: E731
+                           weight.clone().requires_grad_(grads[1]), target, 0.1, pad, chunk, acc,
+                           *grads)
+    for acc in (True, False):
+        torch.library.opcheck(fused_output_cross_entropy_fwd, args_of(acc))
+
+
+def test_gradients_only_where_needed(monkeypatch):
+    """The forward computes the gradient of each input that requires grad while grad mode is
+    on, and no other: none under torch.no_grad, nothing for a frozen weight."""
+    hidden, weight, target = _inputs(19, 6, 13, torch.float64, 1, 0.2, seed=12)
+    seen = []
+    real = fused_module._chunk_loss_and_grad
+
+    def spy(logits, target, epsilon, ignore_index, need_grad, grad_scale, compute_argmax):
+        seen.append(need_grad)
+        return real(logits, target, epsilon, ignore_index, need_grad, grad_scale, compute_argmax)
+
+    monkeypatch.setattr(fused_module, "_chunk_loss_and_grad", spy)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.no_grad():
+        loss, _, _ = fused_output_cross_entropy(h, w, target, 0.1, 1, chunk_size=5)
+    assert not loss.requires_grad and seen == [False] * 4
+    with_grad = fused_output_cross_entropy(h, w, target, 0.1, 1, chunk_size=5)[0]
+    assert torch.equal(with_grad.detach(), loss)  # the same sums either way
+    out = fused_output_cross_entropy_fwd(hidden, w, target, 0.1, 1, 5, False, False, True)
+    assert out[3].numel() == 0 and out[4].shape == weight.shape  # frozen hidden: no grad_h
+    seen.clear()
+    fused_output_cross_entropy(hidden, weight, target, 0.1, 1, chunk_size=5)
+    assert seen == [False] * 4
+    # an input that requires grad whose gradient was not asked for: refused, not silently None
+    bad = fused_output_cross_entropy_fwd(h, w, target, 0.1, 1, 5, False, True, False)[0]
+    with pytest.raises(RuntimeError, match="not asked for"):
+        bad.backward()
+
+
+def test_second_backward_with_retained_graph():
+    """The backward scales the saved gradients out of place: a retained graph's second backward
+    adds the same gradients again."""
+    hidden, weight, target = _inputs(23, 8, 17, torch.float64, 1, 0.2, seed=13)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_output_cross_entropy(h, w, target, 0.1, 1, chunk_size=6)[0]
+    loss.backward(retain_graph=True)
+    first_h, first_w = h.grad.clone(), w.grad.clone()
+    loss.backward()
+    assert torch.equal(h.grad, 2 * first_h) and torch.equal(w.grad, 2 * first_w)
 
 
 # ---- the criterion option --ls-fused-output-ce against fairseq's criterion ---------------------

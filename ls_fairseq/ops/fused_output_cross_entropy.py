@@ -19,11 +19,23 @@ fp16: the per-chunk logit gradient G (|G| <= 1) is stored as ``G * 4096`` so tha
 term ``eps / (V - 1)`` and small probabilities stay out of fp16's subnormal range, and the matmuls
 write fp32 (``torch.mm(..., out_dtype=torch.float32)`` when the installed torch has it). The
 scale is removed in fp32 in the backward. ``nll_loss`` and ``n_correct`` are not differentiable.
+
+Autograd: the whole forward is one Python custom op, ``ls_fairseq::fused_output_cross_entropy_fwd``
+(:func:`fused_output_cross_entropy_fwd`, defined at import, with its fake and
+``torch.library.register_autograd`` backward; no extension needed, it runs on any device). It
+returns the gradients it computed as two more outputs, non-differentiable and saved by
+``setup_context`` (which sees only the op's inputs and outputs): the same two accumulators the
+chunk loop fills, no copy. Which gradients to compute is an argument (``grad_hidden``,
+``grad_weight``): :func:`fused_output_cross_entropy` asks for those of the inputs that require
+grad while grad mode is on, so a forward under ``torch.no_grad`` computes none. The backward
+only scales them by the upstream gradient, a device scalar: nothing syncs with the host, so the
+op can be captured in a CUDA graph.
 """
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from . import _extension
 
@@ -121,57 +133,100 @@ def _chunk_loss_and_grad(logits, target, epsilon, ignore_index, need_grad, grad_
     return loss_sum, nll_sum, argmax, grad
 
 
-class _FusedOutputCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target, epsilon, ignore_index, chunk_size, compute_accuracy):
-        N, D = hidden.shape
-        V = weight.size(0)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_grad = need_h or need_w
-        low = hidden.dtype in (torch.float16, torch.bfloat16)
-        scale = _GRAD_SCALE_FP16 if hidden.dtype == torch.float16 else 1.0
-        acc = torch.float32 if low else hidden.dtype
-        grad_h = torch.empty(N, D, dtype=acc, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(V, D, dtype=acc, device=hidden.device) if need_w else None
-        loss = torch.zeros((), dtype=acc, device=hidden.device)  # fp32 (fp64 for fp64 inputs)
-        nll = torch.zeros((), dtype=acc, device=hidden.device)
-        n_correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-        C = chunk_size or default_chunk_size(N, V, hidden.dtype)
-        for start in range(0, N, C):
-            end = min(N, start + C)
-            h, t = hidden[start:end], target[start:end]
-            logits = torch.nn.functional.linear(h, weight)
-            l_sum, n_sum, argmax, g = _chunk_loss_and_grad(
-                logits, t, epsilon, ignore_index, need_grad, scale, compute_accuracy)
-            loss += l_sum
-            nll += n_sum
-            if compute_accuracy:
-                mask = t.ne(ignore_index)
-                n_correct += (argmax.eq(t) & mask).sum()
-            if need_h:
-                grad_h[start:end] = _mm_f32(g, weight)
-            if need_w:
-                _addmm_f32_(grad_w, g.t(), h)
-            del logits, g
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.scale = scale
-        ctx.h_dtype, ctx.w_dtype = hidden.dtype, weight.dtype
-        ctx.mark_non_differentiable(nll, n_correct)
-        return loss, nll, n_correct
+def _grad_scale(dtype):
+    return _GRAD_SCALE_FP16 if dtype == torch.float16 else 1.0
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_nll, _grad_n_correct):
-        grad_h, grad_w = ctx.saved_tensors
-        out_h = out_w = None
-        if grad_loss is None:
-            return out_h, out_w, None, None, None, None, None
-        acc = grad_h.dtype if grad_h is not None else grad_w.dtype
-        factor = grad_loss.to(acc) / ctx.scale  # a device scalar: no host sync
-        if grad_h is not None:  # out of place: a second backward (retain_graph) stays right
-            out_h = (grad_h * factor).to(ctx.h_dtype)
-        if grad_w is not None:
-            out_w = (grad_w * factor).to(ctx.w_dtype)
-        return out_h, out_w, None, None, None, None, None
+
+def _acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@torch.library.custom_op("ls_fairseq::fused_output_cross_entropy_fwd", mutates_args=())
+def fused_output_cross_entropy_fwd(hidden: Tensor, weight: Tensor, target: Tensor, epsilon: float,
+                                   ignore_index: int, chunk_size: Optional[int],
+                                   compute_accuracy: bool, grad_hidden: bool,
+                                   grad_weight: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden [N, D] (contiguous), weight [V, D], target [N] int64 -> (loss, nll, n_correct,
+    grad_h, grad_w): the sums, and the gradients of ``loss`` w.r.t. hidden [N, D] and weight
+    [V, D] for a unit upstream gradient, times the fp16 scale, in the accumulation dtype
+    (fp32; fp64 for fp64 inputs). A gradient not asked for (``grad_hidden`` / ``grad_weight``
+    False) is an empty tensor and is never computed."""
+    N, D = hidden.shape
+    V = weight.size(0)
+    need_h, need_w = grad_hidden, grad_weight
+    need_grad = need_h or need_w
+    scale = _grad_scale(hidden.dtype)
+    acc = _acc_dtype(hidden.dtype)
+    grad_h = torch.empty(N, D, dtype=acc, device=hidden.device) if need_h else None
+    grad_w = torch.zeros(V, D, dtype=acc, device=hidden.device) if need_w else None
+    loss = torch.zeros((), dtype=acc, device=hidden.device)  # fp32 (fp64 for fp64 inputs)
+    nll = torch.zeros((), dtype=acc, device=hidden.device)
+    n_correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    C = chunk_size or default_chunk_size(N, V, hidden.dtype)
+    for start in range(0, N, C):
+        end = min(N, start + C)
+        h, t = hidden[start:end], target[start:end]
+        logits = torch.nn.functional.linear(h, weight)
+        l_sum, n_sum, argmax, g = _chunk_loss_and_grad(
+            logits, t, epsilon, ignore_index, need_grad, scale, compute_accuracy)
+        loss += l_sum
+        nll += n_sum
+        if compute_accuracy:
+            mask = t.ne(ignore_index)
+            n_correct += (argmax.eq(t) & mask).sum()
+        if need_h:
+            grad_h[start:end] = _mm_f32(g, weight)
+        if need_w:
+            _addmm_f32_(grad_w, g.t(), h)
+        del logits, g
+    # an op returns tensors only: a gradient not computed is an empty placeholder
+    if grad_h is None:
+        grad_h = hidden.new_empty((0,), dtype=acc)
+    if grad_w is None:
+        grad_w = hidden.new_empty((0,), dtype=acc)
+    return loss, nll, n_correct, grad_h, grad_w
+
+
+@fused_output_cross_entropy_fwd.register_fake
+def _fused_fake(hidden, weight, target, epsilon, ignore_index, chunk_size, compute_accuracy,
+                grad_hidden, grad_weight):
+    acc = _acc_dtype(hidden.dtype)
+    scalar = hidden.new_empty((), dtype=acc)
+    return (scalar, scalar.clone(), hidden.new_empty((), dtype=torch.long),
+            hidden.new_empty(hidden.shape if grad_hidden else (0,), dtype=acc),
+            hidden.new_empty(weight.shape if grad_weight else (0,), dtype=acc))
+
+
+def _fused_setup_context(ctx, inputs, output):
+    hidden, weight = inputs[0], inputs[1]
+    grad_hidden, grad_weight = inputs[7], inputs[8]
+    _loss, nll, n_correct, grad_h, grad_w = output
+    ctx.save_for_backward(grad_h if grad_hidden else None, grad_w if grad_weight else None)
+    ctx.mark_non_differentiable(nll, n_correct, grad_h, grad_w)
+    ctx.scale = _grad_scale(hidden.dtype)
+    ctx.h_dtype, ctx.w_dtype = hidden.dtype, weight.dtype
+
+
+def _fused_backward(ctx, grad_loss, _grad_nll, _grad_n_correct, _grad_h, _grad_w):
+    grad_h, grad_w = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if (need[0] and grad_h is None) or (need[1] and grad_w is None):
+        raise RuntimeError("fused_output_cross_entropy_fwd: an input requires grad but its "
+                           "gradient was not asked for (grad_hidden / grad_weight)")
+    out_h = out_w = None
+    if grad_loss is None:
+        return out_h, out_w, None, None, None, None, None, None, None
+    acc = grad_h.dtype if grad_h is not None else grad_w.dtype
+    factor = grad_loss.to(acc) / ctx.scale  # a device scalar: no host sync
+    if grad_h is not None:  # out of place: a second backward (retain_graph) stays right
+        out_h = (grad_h * factor).to(ctx.h_dtype)
+    if grad_w is not None:
+        out_w = (grad_w * factor).to(ctx.w_dtype)
+    return out_h, out_w, None, None, None, None, None, None, None
+
+
+fused_output_cross_entropy_fwd.register_autograd(_fused_backward,
+                                                 setup_context=_fused_setup_context)
 
 
 def fused_output_cross_entropy(
@@ -204,6 +259,9 @@ def fused_output_cross_entropy(
     ignore = _NO_IGNORE if ignore_index is None else int(ignore_index)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError("chunk_size must be positive")
-    return _FusedOutputCrossEntropy.apply(
+    # only what the backward will need: nothing under no_grad / inference
+    grad_on = torch.is_grad_enabled()
+    loss, nll, n_correct, _, _ = fused_output_cross_entropy_fwd(
         hidden.contiguous(), weight, target.contiguous(), float(epsilon), ignore, chunk_size,
-        bool(compute_accuracy))
+        bool(compute_accuracy), grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    return loss, nll, n_correct

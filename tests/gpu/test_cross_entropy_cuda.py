@@ -1,6 +1,8 @@
 """GPU tests of the fused label-smoothed cross-entropy (csrc/cross_entropy.cu,
 ls_fairseq/ops/_cross_entropy_cuda.py) and of the chunked output projection + CE
-(ls_fairseq/ops/fused_output_cross_entropy.py) on the GPU.
+(ls_fairseq/ops/fused_output_cross_entropy.py) on the GPU; ``torch.library.opcheck`` of every
+op: the csrc ops and the custom ops that carry the autograd (``ls_cross_entropy_rows``,
+``fused_output_cross_entropy_fwd``).
 
 Compared with: the op's PyTorch reference, fairseq's ``label_smoothed_nll_loss`` (per token and
 summed) and fairseq's ``label_smoothed_cross_entropy`` criterion on the same model output,
@@ -354,6 +356,39 @@ def test_opcheck():
                           test_utils=utils)
     torch.library.opcheck(ops.ls_cross_entropy_bwd_,
                           (g, None, logits.clone(), target, lse, 0.1, PAD), test_utils=utils)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_rows_op(dtype):
+    """The custom op that carries the autograd (``ls_cross_entropy_rows``): schema, autograd
+    registration, fake, AOT autograd (over the kernels), with and without argmax, padding or
+    ``ignore_index=None``, the in-place flag on or off (opcheck's inputs are leaves, so its
+    backward runs out of place: the leaf rule)."""
+    rows = _cuda().ls_cross_entropy_rows
+    logits, target = _inputs(11, 37, dtype, seed=9)
+    for argmax, inplace, ignore in ((True, False, PAD), (False, True, PAD),
+                                    (True, True, _cuda()._NO_IGNORE)):
+        torch.library.opcheck(rows, (logits.clone().requires_grad_(), target, 0.1, ignore,
+                                     argmax, inplace))
+        torch.library.opcheck(rows, (logits, target, 0.1, ignore, argmax, inplace))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
+def test_opcheck_fused_output_op(dtype, grads):
+    """``fused_output_cross_entropy_fwd`` over the CE kernels: schema, autograd registration,
+    fake, AOT autograd; chunks that do not divide the tokens, accuracy on."""
+    from ls_fairseq.ops.fused_output_cross_entropy import fused_output_cross_entropy_fwd
+
+    g = torch.Generator(device=DEV).manual_seed(10)
+    hidden = torch.randn(13, 16, generator=g, device=DEV).to(dtype)
+    weight = (torch.randn(37, 16, generator=g, device=DEV) / 4).to(dtype)
+    target = torch.randint(0, 37, (13,), generator=g, device=DEV)
+    target[::4] = PAD
+    torch.library.opcheck(
+        fused_output_cross_entropy_fwd,
+        (hidden.requires_grad_(grads[0]), weight.requires_grad_(grads[1]), target, 0.1, PAD, 5,
+         True, *grads))
 
 
 # ---- fused output projection + CE on the GPU -------------------------------------------------
