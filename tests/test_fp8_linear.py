@@ -270,6 +270,202 @@ def test_traces_under_aot_autograd():
         assert torch.equal(got, ref)
 
 
+# ---------------------------------------------------------------- the quantize kernels' dispatch
+# csrc/fp8_quantize.cu (binding ops/_fp8_quantize_cuda.py) quantizes and transposes on the
+# _scaled_mm path; the kernels themselves run in tests/gpu/test_fp8_linear_cuda.py. Here: the
+# scale's rounding they mirror, which calls the dispatch makes (kernels replaced by the
+# reference), the predicates on the CPU, and the ops' schemas and fakes with CPU stand-ins.
+
+def test_scale_rounds_as_reciprocal_then_product():
+    """``fp8_max / amax`` on a tensor is ``amax.reciprocal() * fp8_max`` (Tensor.__rtruediv__):
+    two float32 roundings, not one division; for many amaxes they differ. csrc/fp8_quantize.cu
+    computes the scale and the inverse scale that way; mirrored here in numpy float32 (IEEE
+    division and product, as the kernel's __fdiv_rn / __fmul_rn) against ``quantize``."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    exps = torch.randint(-44, 38, (300,), generator=g).double()
+    amax = (torch.rand(300, generator=g, dtype=torch.float64) * 10.0 ** exps).float()
+    special = torch.tensor([0.0, 1e-12, 1e-13, 1e-45, 3e38, 448.0, 57344.0, 3.0,
+                            float("inf"), float("nan")])
+    amax = torch.cat([amax, special])
+    floor = np.float32(fp8.AMAX_FLOOR)
+    for dtype in FORMATS:
+        fmax = np.float32(torch.finfo(dtype).max)
+        a = amax.numpy()
+        with np.errstate(all="ignore"):
+            scale = (np.float32(1) / np.maximum(a, floor)) * fmax  # np.maximum keeps NaN
+            inv = np.float32(1) / scale
+            one_division = fmax / np.maximum(a, floor)
+        assert scale.dtype == np.float32 and inv.dtype == np.float32
+        assert (scale[np.isfinite(scale)] != one_division[np.isfinite(scale)]).any()
+        for value, want in zip(amax, inv):
+            _, got = fp8.quantize(value.view(1, 1), dtype)
+            assert got.dtype == torch.float32 and got.dim() == 0
+            if np.isnan(want):
+                assert torch.isnan(got), float(value)
+            else:
+                assert got.view(torch.int32).item() == np.float32(want).view(np.int32), (
+                    float(value), float(got), float(want))
+
+
+def _stand_in_kernels(monkeypatch, calls):
+    """The binding's entry points replaced by the reference (the kernels' specification),
+    recording each call; the kernels 'take' every tensor; the GEMMs are the reference's."""
+    from ls_fairseq.ops import _fp8_quantize_cuda as cuda
+
+    def quantize_kernel(t, fp8_dtype, transpose_pad=0):
+        calls.append(("quantize", tuple(t.shape), fp8_dtype, transpose_pad))
+        t8, inv_scale = fp8.quantize(t, fp8_dtype)
+        t8_t = fp8.transposed(t8, transpose_pad) if transpose_pad else t8.new_empty((0,))
+        return t8, inv_scale, t8_t
+
+    def transpose_kernel(t8, multiple=1):
+        calls.append(("transpose", tuple(t8.shape), t8.dtype, multiple))
+        return fp8.transposed(t8, multiple)
+
+    monkeypatch.setattr(cuda, "fp8_quantize_cuda", quantize_kernel)
+    monkeypatch.setattr(cuda, "fp8_transpose_cuda", transpose_kernel)
+    monkeypatch.setattr(fp8, "_kernels_take", lambda t, op: True)
+
+
+def _run(x, w, b, scaled_mm, grad):
+    out = fp8._apply(x, w, b, scaled_mm)
+    inputs = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    return (out, *torch.autograd.grad(out, inputs, grad))
+
+
+@pytest.mark.parametrize("needs", ["x and weight", "x", "weight"])
+def test_scaled_mm_path_quantizes_with_the_kernels(monkeypatch, needs):
+    """On the _scaled_mm path: x and weight quantized by the kernel (no transpose), the gradient
+    once with its transpose padded to 16 rows when the weight gradient is needed, w8 and x8
+    transposed by the kernel where their gradient needs them; the results are the reference
+    path's, bit for bit. The reference engine (scaled_mm False) calls no kernel."""
+    monkeypatch.setattr(fp8, "matmul_scaled_mm", fp8.matmul_reference)  # no FP8 GEMM here
+    x, w, b = _operands((37, 48), 32, torch.bfloat16)
+    x.requires_grad_("x" in needs.split())
+    w.requires_grad_("weight" in needs)
+    grad = torch.randn(37, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    expected = _run(x, w, b, True, grad)  # _kernels_take is False for CPU tensors
+    calls = []
+    _stand_in_kernels(monkeypatch, calls)
+    got = _run(x, w, b, True, grad)
+    for a, r in zip(got, expected):
+        assert a.dtype == r.dtype and torch.equal(a, r)
+    need_x, need_w = x.requires_grad, w.requires_grad
+    assert calls == ([("quantize", (37, 48), fp8.E4M3, 0), ("quantize", (32, 48), fp8.E4M3, 0),
+                      ("quantize", (37, 32), fp8.E5M2, 16 if need_w else 0)]
+                     + ([("transpose", (32, 48), fp8.E4M3, 1)] if need_x else [])
+                     + ([("transpose", (37, 48), fp8.E4M3, 16)] if need_w else [])), calls
+    calls.clear()
+    reference = _run(x, w, b, False, grad)
+    assert calls == []
+    for a, r in zip(reference, expected):
+        assert torch.equal(a, r)
+
+
+def test_kernel_predicates_on_the_cpu(monkeypatch):
+    """A CPU tensor never asks for the extension (no build, and no error under ``require``:
+    the _scaled_mm dispatch decides that); the binding's ``supports`` predicates."""
+    from ls_fairseq.ops import _fp8_quantize_cuda as cuda
+
+    builds = []
+    monkeypatch.setattr(_extension, "_build", lambda: builds.append(1))
+    monkeypatch.setattr(_extension, "_loaded", None)
+    x = torch.randn(4, 16)
+    x8 = x.to(fp8.E4M3)
+    for mode in ("auto", "require", "off"):
+        monkeypatch.setenv(_extension.ENV_VAR, mode)
+        assert not fp8._kernels_take(x, "fp8_quantize")
+        assert not fp8._kernels_take(x8, "fp8_transpose")
+    assert builds == []
+    assert cuda.supports(x) and cuda.supports(x[:0]) and cuda.supports(x.half().t())
+    assert cuda.supports(x.bfloat16())
+    assert not cuda.supports(x.double()) and not cuda.supports(x[0]) and not cuda.supports(x8)
+    assert cuda.supports_transpose(x8) and cuda.supports_transpose(x.to(fp8.E5M2))
+    assert not cuda.supports_transpose(x) and not cuda.supports_transpose(x8[0])
+    assert not cuda.supports_transpose(x.to(torch.uint8))
+
+
+QUANTIZE_OPS_CHECK = r"""
+import os, re, sys
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+text = open(os.path.join(sys.argv[1], "fp8_quantize.cu")).read()
+lib = torch.library.Library("ls_fairseq", "FRAGMENT")
+names = []
+for m in re.finditer(r'm\.def\(((?:\s*"[^"]*")+)', text):
+    schema = "".join(re.findall(r'"([^"]*)"', m.group(1)))
+    lib.define(schema)
+    names.append(schema.split("(")[0])
+assert names == ["fp8_quantize", "fp8_transpose"], names
+
+from ls_fairseq.ops import _extension, _fp8_quantize_cuda as cuda, fp8_linear as fp8
+
+
+def quantize_cpu(t, dtype, transpose_pad):  # the reference, as the ops' CPU kernel
+    t8, inv_scale = fp8.quantize(t, dtype)
+    t8_t = fp8.transposed(t8, transpose_pad) if transpose_pad else t8.new_empty((0,))
+    return t8, inv_scale, t8_t
+
+
+lib.impl("fp8_quantize", quantize_cpu, "CPU")
+lib.impl("fp8_transpose", lambda t8, pad: fp8.transposed(t8, pad), "CPU")
+_extension._loaded = True  # the schemas above stand for the extension
+_extension._run_pending()
+assert not _extension._pending
+
+o = torch.ops.ls_fairseq
+# float8 outputs: opcheck's AOT tests sum them, and float8 has no sum kernel
+utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+for shape in ((37, 32), (0, 16), (1, 5), (5, 0)):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for pad in (0, 1, 16):
+                t = torch.randn(shape).to(dtype)
+                torch.library.opcheck(o.fp8_quantize.default, (t, fp8_dtype, pad), test_utils=utils)
+    # the schema test compares float8 inputs before and after with allclose (none for float8):
+    # the same bytes as uint8 (the op takes any 1-byte dtype)
+    t8 = torch.randn(shape).to(torch.float8_e5m2)
+    for pad in (1, 3, 16):
+        torch.library.opcheck(o.fp8_transpose.default, (t8.view(torch.uint8), pad),
+                              test_utils=utils)
+        torch.library.opcheck(o.fp8_transpose.default, (t8, pad), test_utils=utils[1:])
+
+with FakeTensorMode():
+    t = torch.empty(37, 32, dtype=torch.bfloat16)
+    t8, inv, t8_t = cuda.fp8_quantize_cuda(t, torch.float8_e5m2, 16)
+    assert (t8.shape, t8.dtype, inv.shape, inv.dtype, t8_t.shape, t8_t.dtype) == (
+        (37, 32), torch.float8_e5m2, (), torch.float32, (32, 48), torch.float8_e5m2)
+    assert cuda.fp8_quantize_cuda(t, torch.float8_e4m3fn)[2].shape == (0,)
+    out = cuda.fp8_transpose_cuda(t8, 16)
+    assert (out.shape, out.dtype) == ((32, 48), torch.float8_e5m2)
+    assert cuda.fp8_transpose_cuda(t8).shape == (32, 37)
+print("fp8 quantize ops ok")
+"""
+
+
+def test_quantize_ops_schemas_and_fakes(tmp_path):
+    """In a fresh process: the schemas of csrc/fp8_quantize.cu with the reference as their CPU
+    kernels, the binding's fakes registered at the 'load'; opcheck (schema, fake tensors against
+    the outputs) over dtypes, float8 formats, pads and empty shapes."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "quantize_ops_check.py"
+    script.write_text(QUANTIZE_OPS_CHECK)
+    # the ls_fairseq this process imports (the checkout's, not another installed copy)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(fp8.__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, LS_FAIRSEQ_KERNELS="auto", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, str(script), _extension.csrc_dir()],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "fp8 quantize ops ok" in proc.stdout, (
+        proc.stdout[-3000:] + proc.stderr[-5000:])
+
+
 # ---------------------------------------------------------------- --ls-fp8 in the ls_ model
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,7 @@ BINDINGS = (
     "_bias_dropout_residual_layer_norm_cuda",
     "_cross_entropy_cuda",
     "_embedding_cuda",
+    "_fp8_quantize_cuda",
     "_layer_norm_cuda",
 )
 

@@ -19,18 +19,23 @@ still see it. An inf gives amax inf, scale 0, and inf * 0 = NaN. A NaN stays NaN
 and the cast (e4m3fn and e5m2 both have NaN). Weights, optimizer and checkpoints are unchanged:
 the parameters stay fp16/bf16/fp32, and the operands are cast on every call.
 
-Why one module, with no ``_fp8_linear_cuda.py`` binding and nothing in ``csrc/``
-(ops/README.md): the GPU path is PyTorch's own ``torch._scaled_mm`` (cuBLASLt FP8 GEMMs). No
-kernel of ours is involved, so there is no extension to build or wait for, nothing to register
-once it loads, and no binding to keep off CPU machines. Both paths share one
-``torch.library.custom_op``, ``ls_fairseq::fp8_linear_fwd``: its fake implementation and
-``register_autograd`` backward are registered at import, without the extension. This is the
-preferred style for a pure-Python op, and it runs on the CPU, under CUDA graph capture and
+The op and its autograd are Python, one ``torch.library.custom_op``,
+``ls_fairseq::fp8_linear_fwd``, whose fake implementation and ``register_autograd`` backward are
+registered at import, without the extension. It runs on the CPU, under CUDA graph capture and
 under ``torch.compile``. The op returns the output, the float8 copies and the inverse scales.
 The copies are returned because ``setup_context`` sees only the op's inputs and outputs, and
 they are marked non-differentiable. Autograd saves those float8 copies and scales, never the
 high-precision inputs: ``x`` and ``weight`` cost 1 byte per element until the backward, not 2 or
-4. The backward quantizes the gradient and runs the same matmuls.
+4. The backward quantizes the gradient and runs the same matmuls. The backward's contractions
+run over N and M, so it needs ``w8`` and ``x8`` transposed; those are made in the backward from
+the saved copies (autograd keeps one float8 layout of each operand, not two).
+
+Quantization: :func:`quantize` and :func:`transposed` are the reference (PyTorch ops, ~6
+elementwise passes per operand). On the ``_scaled_mm`` path, where the extension is loaded
+(``LS_FAIRSEQ_KERNELS``, ``_extension.use_kernels``), the fused kernels of
+``csrc/fp8_quantize.cu`` (binding ``_fp8_quantize_cuda``) do the same bit for bit: one amax pass
+and one scale + clamp + cast pass, whose second pass also writes the gradient's transposed copy,
+and a one-pass transpose of ``w8`` and ``x8``. Anything they do not take runs the reference.
 
 The two paths differ only in how they multiply two quantized operands:
 
@@ -38,8 +43,8 @@ The two paths differ only in how they multiply two quantized operands:
   scales, rounded once to the output dtype. This is the specification. It runs on any device
   (the CPU, CI, GPUs without FP8 tensor cores).
 * :func:`matmul_scaled_mm`: ``torch._scaled_mm`` (float32 accumulation, ``use_fast_accum=False``).
-  Both paths quantize with the same :func:`quantize`, so their results differ only in the
-  accumulation order.
+  Both paths quantize to the same float8 values and scales (:func:`quantize`, or the kernels
+  that equal it), so their results differ only in the accumulation order.
 
 ``fp8_linear`` takes ``_scaled_mm`` where :func:`supports` holds. That means CUDA tensors on a
 GPU of compute capability >= 8.9 (Ada, Hopper and later), K and N multiples of 16 (M is
@@ -78,6 +83,8 @@ def quantize(t: Tensor, fp8_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         amax = t.abs().amax().float()
     else:  # amax has no identity: an empty operand has nothing to scale
         amax = torch.zeros((), dtype=torch.float32, device=t.device)
+    # Tensor.__rtruediv__: reciprocal, then times fp8_max (two float32 roundings; the kernels
+    # of csrc/fp8_quantize.cu round the same way)
     scale = fp8_max / amax.clamp_min(AMAX_FLOOR)
     # scaled in float32 (a fp16 product of a huge scale could overflow). The clamp saturates:
     # e4m3fn has no inf, and a value past its range would cast to NaN
@@ -127,13 +134,50 @@ def _matmul(scaled_mm: bool):
     return matmul_scaled_mm if scaled_mm else matmul_reference
 
 
+def _kernels_take(t: Tensor, op: str) -> bool:
+    """Whether the kernel ``op`` of ``csrc/fp8_quantize.cu`` (``fp8_quantize`` or
+    ``fp8_transpose``) takes ``t``: a CUDA tensor, the extension loaded (``LS_FAIRSEQ_KERNELS``
+    applies: a failed build warns once under ``auto``, raises under ``require``), and the
+    binding's ``supports``. Asked on the ``_scaled_mm`` path only."""
+    # a CPU tensor never reaches use_kernels (under require it would raise)
+    if not (t.is_cuda and _extension.use_kernels(t) and _extension.has_op(op)):
+        return False
+    from . import _fp8_quantize_cuda as cuda
+
+    return cuda.supports(t) if op == "fp8_quantize" else cuda.supports_transpose(t)
+
+
+def _quantize(t: Tensor, fp8_dtype: torch.dtype, scaled_mm: bool,
+              transpose_pad: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(t8, inv_scale, transposed(t8, transpose_pad))`` (the third None for a pad of 0): the
+    fused kernel on the ``_scaled_mm`` path where it takes ``t``, else :func:`quantize` and
+    :func:`transposed`. Both give the same bytes and scale."""
+    if scaled_mm and _kernels_take(t, "fp8_quantize"):
+        from . import _fp8_quantize_cuda as cuda
+
+        t8, inv_scale, t8_t = cuda.fp8_quantize_cuda(t, fp8_dtype, transpose_pad)
+        return t8, inv_scale, (t8_t if transpose_pad else None)
+    t8, inv_scale = quantize(t, fp8_dtype)
+    return t8, inv_scale, (transposed(t8, transpose_pad) if transpose_pad else None)
+
+
+def _transposed(t8: Tensor, multiple: int, scaled_mm: bool) -> Tensor:
+    """:func:`transposed`, by the one-pass kernel on the ``_scaled_mm`` path where it takes
+    ``t8``."""
+    if scaled_mm and _kernels_take(t8, "fp8_transpose"):
+        from . import _fp8_quantize_cuda as cuda
+
+        return cuda.fp8_transpose_cuda(t8, multiple)
+    return transposed(t8, multiple)
+
+
 @torch.library.custom_op("ls_fairseq::fp8_linear_fwd", mutates_args=())
 def fp8_linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                    scaled_mm: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [M, K], weight [N, K] -> (out [M, N] in x's dtype, x8, x_inv, w8, w_inv): the output
     and what the backward reads (float8 copies and inverse scales)."""
-    x8, x_inv = quantize(x, E4M3)
-    w8, w_inv = quantize(weight, E4M3)
+    x8, x_inv, _ = _quantize(x, E4M3, scaled_mm)
+    w8, w_inv, _ = _quantize(weight, E4M3, scaled_mm)
     return _matmul(scaled_mm)(x8, x_inv, w8, w_inv, x.dtype, bias), x8, x_inv, w8, w_inv
 
 
@@ -155,14 +199,16 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, *_saved_outputs_grads):
     x8, x_inv, w8, w_inv = ctx.saved_tensors
-    matmul = _matmul(ctx.scaled_mm)
-    g8, g_inv = quantize(grad_out, E5M2)
+    scaled_mm = ctx.scaled_mm
+    matmul = _matmul(scaled_mm)
+    # g8 and (for the weight gradient) its transpose padded to 16 rows, from one quantization
+    g8, g_inv, g8_t = _quantize(grad_out, E5M2, scaled_mm,
+                                ALIGN if ctx.needs_input_grad[1] else 0)
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:  # [M, N] x [N, K]: contraction over N (a multiple of 16)
-        grad_x = matmul(g8, g_inv, transposed(w8), w_inv, grad_out.dtype)
+        grad_x = matmul(g8, g_inv, _transposed(w8, 1, scaled_mm), w_inv, grad_out.dtype)
     if ctx.needs_input_grad[1]:  # [N, M] x [M, K]: contraction over the tokens, padded to 16
-        grad_w = matmul(transposed(g8, ALIGN), g_inv, transposed(x8, ALIGN), x_inv,
-                        ctx.weight_dtype)
+        grad_w = matmul(g8_t, g_inv, _transposed(x8, ALIGN, scaled_mm), x_inv, ctx.weight_dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
         grad_b = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return grad_x, grad_w, grad_b, None
