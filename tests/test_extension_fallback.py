@@ -182,7 +182,7 @@ def test_ops_raise_on_cpu_under_require(monkeypatch):
 # once the extension is loaded (_extension.when_loaded) and imports without the extension.
 BINDINGS = ("_adam_cuda", "_attention_cuda", "_bias_act_dropout_cuda", "_bias_dropout_residual_cuda",
             "_bias_dropout_residual_layer_norm_cuda", "_cross_entropy_cuda", "_embedding_cuda",
-            "_layer_norm_cuda")
+            "_fp8_quantize_cuda", "_layer_norm_cuda")
 
 
 def test_when_loaded_runs_each_callback_once_after_a_successful_load(monkeypatch):
@@ -480,30 +480,76 @@ with FakeTensorMode():
     out, lse, rng = o.short_attention_fwd(q, k, k, kpm, True, 0.0, False)
     calls["short_attention_fwd"] = (out.shape, lse.shape, lse.dtype) == ((2, 3, 5, 16), (2, 3, 5), torch.float32)
     calls["short_attention_bwd"] = o.short_attention_bwd(out, q, k, k, out, lse, kpm, True, rng, 0.0, torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)) is None
+    qkv = torch.empty(2, 9, 3, 3, 16, dtype=torch.float16)
+    out, lse, rng = o.short_attention_packed_fwd(qkv, kpm, True, 0.0)
+    calls["short_attention_packed_fwd"] = (out.shape, lse.shape, lse.dtype) == ((2, 3, 9, 16), (2, 3, 9), torch.float32)
+    out, lse, seed, offset = o.efficient_attention_fwd(q, k, k, None, 2, 0.0, True)
+    calls["efficient_attention_fwd"] = (out.shape, lse.shape, seed.device.type) == ((2, 3, 5, 16), (2, 3, 32), "cpu")
+    out, lse, seed, offset = o.efficient_attention_packed_fwd(qkv, None, 0, 0.0, False)
+    calls["efficient_attention_packed_fwd"] = (out.shape, lse.shape, offset.device.type) == ((2, 3, 9, 16), (2, 3, 0), "cpu")
+    r = o.ls_cross_entropy_rows(logits, target, 0.1, 1, True, True)
+    calls["ls_cross_entropy_rows"] = [t.shape for t in r] == [(5,), (5,), (5,), (5,)]
+    t = torch.empty(37, 32, dtype=torch.bfloat16)
+    t8, inv, t8t = o.fp8_quantize(t, torch.float8_e5m2, 16)
+    calls["fp8_quantize"] = (t8.shape, t8.dtype, inv.shape, inv.dtype, t8t.shape, t8t.dtype) == ((37, 32), torch.float8_e5m2, (), torch.float32, (32, 48), torch.float8_e5m2)
+    tt = o.fp8_transpose(t8, 16)
+    calls["fp8_transpose"] = (tt.shape, tt.dtype) == ((32, 48), torch.float8_e5m2)
     p, found = torch.empty(7), torch.empty(1, dtype=torch.int32)
     calls["multi_tensor_adam"] = o.multi_tensor_adam([p], [p], [p], [p], [], None, None, None, found, 1e-3, 0.9, 0.98, 1e-8, 0.0, 1e-3, 1.0) is None
     sc = torch.empty(1, 2)
     calls["multi_tensor_adam_moment_max"] = o.multi_tensor_adam_moment_max([p], [p], [p.half()], [p.half()], None, sc, sc, found, sc, 0.9, 0.98, 1.0) is None
 bad = {n: ok for n, ok in calls.items() if ok is not True}
 assert not bad, bad
-missing = sorted(set(names) - set(calls))
+# CompositeImplicitAutograd ops decompose into the ops above (checked under FakeTensorMode by
+# tests/autograd_cpp_check.py, which builds their C++); a fake of theirs would fail to register
+composite = %(composite)r
+assert composite <= set(names), composite
+for n in composite:
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("ls_fairseq::" + n, "Meta"), n
+missing = sorted(set(names) - set(calls) - composite)
 assert not missing, "ops defined in csrc/ without a checked fake: %%s" %% missing
-assert torch._C._dispatch_has_kernel_for_dispatch_key("ls_fairseq::embedding_fwd", "Autograd")
+for name in ("embedding_fwd", "attention_fwd", "short_attention_fwd", "short_attention_packed_fwd",
+             "efficient_attention_fwd", "efficient_attention_packed_fwd", "ls_cross_entropy_rows"):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("ls_fairseq::" + name, "Autograd"), name
 print("fakes ok", len(calls))
 '''
+
+
+def _composite_ops(directory):
+    """Names of the ops csrc/*.cpp registers as CompositeImplicitAutograd (no fake: they
+    decompose)."""
+    import glob
+    import os
+    import re
+
+    names = set()
+    for path in glob.glob(os.path.join(directory, "*.cpp")):
+        text = open(path).read()
+        for block in re.finditer(
+                r"TORCH_LIBRARY_IMPL\(ls_fairseq, CompositeImplicitAutograd, m\) \{(.*?)\n\}",
+                text, re.S):
+            names.update(re.findall(r'm\.impl\("([^"]+)"', block.group(1)))
+    return names
 
 
 def test_bindings_register_every_ops_fake_once_loaded(tmp_path):
     """In a fresh process: the schemas of every op in csrc/ (no kernels), the bindings imported
     first, then the 'load': every op's fake (meta) implementation is registered and gives the
-    shapes the kernels return; embedding_fwd has its autograd."""
+    shapes the kernels return, except the CompositeImplicitAutograd ops', which must have none;
+    the ops with a Python autograd have it registered."""
     import os
     import subprocess
     import sys
 
+    composite = _composite_ops(_extension.csrc_dir())
+    # a new one needs its fake checked through its decomposition, as autograd_cpp_check does
+    assert composite == {"layer_norm_residual"}, composite
     script = tmp_path / "fakes_check.py"
-    script.write_text(FAKES_CHECK % {"bindings": BINDINGS})
-    env = dict(os.environ, LS_FAIRSEQ_KERNELS="auto")
+    script.write_text(FAKES_CHECK % {"bindings": BINDINGS, "composite": composite})
+    # the child imports the same ls_fairseq as this process (not another installed copy)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(_extension.__file__)))
+    env = dict(os.environ, LS_FAIRSEQ_KERNELS="auto",
+               PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(script), _extension.csrc_dir()], capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0 and "fakes ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
