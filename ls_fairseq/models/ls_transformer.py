@@ -34,6 +34,7 @@ from torch import Tensor
 from ..modules import (
     LayerBatchedEncoderKV,
     LayerNorm,
+    SelfAttentionKVCache,
     TransformerDecoderLayer,
     TransformerEmbedding,
     TransformerEncoderLayer,
@@ -171,7 +172,9 @@ class LSTransformerEncoder(FairseqEncoder):
 
 class LSTransformerDecoder(FairseqIncrementalDecoder):
     """fairseq's ``TransformerDecoderBase`` interface and parameters, with fused layers and
-    layer-batched cross-attention keys/values (cached once per sentence when decoding)."""
+    layer-batched cross-attention keys/values (cached once per sentence when decoding). When
+    decoding, the self-attention keys/values of all layers live in one preallocated, growable
+    buffer (:class:`~ls_fairseq.modules.kv_cache.SelfAttentionKVCache`) in ``incremental_state``."""
 
     def __init__(self, cfg: TransformerConfig, dictionary, embed_tokens: nn.Embedding):
         self.cfg = cfg
@@ -253,6 +256,14 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             self.set_incremental_state(incremental_state, "encoder_kv", {"kv": kv})
         return self.encoder_kv.split(kv)
 
+    def _self_kv_cache(self, incremental_state) -> SelfAttentionKVCache:
+        """The self-attention keys/values of all layers, one buffer for the decoding run."""
+        state = self.get_incremental_state(incremental_state, "self_kv")
+        if state is None:
+            state = {"cache": SelfAttentionKVCache(self.num_layers)}
+            self.set_incremental_state(incremental_state, "self_kv", state)
+        return state["cache"]
+
     def extract_features(self, prev_output_tokens,
                          encoder_out: Optional[Dict[str, List[Tensor]]],
                          incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
@@ -272,6 +283,8 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                         if len(encoder_out["encoder_padding_mask"]) > 0 else None)
         incremental = incremental_state is not None
         cross_kv = self._cross_kv(enc, incremental_state)
+        self_kv = (self._self_kv_cache(incremental_state).layers if incremental and self.num_layers
+                   else [None] * self.num_layers)
 
         x = self.embedding(prev_output_tokens, self.embed_tokens, self.embed_positions,
                            self.layernorm_embedding, self.project_in_dim, incremental=incremental)
@@ -290,7 +303,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             out, layer_attn = layer(
                 x, cross_kv[idx], padding_mask, self_attn_padding_mask, incremental_state,
                 need_attn=(idx == need_attn_layer), causal=not full_context_alignment,
-                normed=normed, next_norm=next_norm,
+                normed=normed, next_norm=next_norm, self_attn_cache=self_kv[idx],
             )
             x, normed = out if next_norm is not None else (out, None)
             inner_states.append(x.transpose(0, 1))
@@ -310,6 +323,10 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         return self.output_projection(features)
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
+        # self-attention keys/values of every layer: one gather (the layers keep no state)
+        self_kv = self.get_incremental_state(incremental_state, "self_kv")
+        if self_kv is not None:
+            self_kv["cache"].reorder(new_order)
         cached = self.get_incremental_state(incremental_state, "encoder_kv")
         # Beams of one sentence share identical encoder keys/values, so a reorder that keeps the
         # batch size only permutes identical rows: skip the copy, as fairseq's MultiheadAttention

@@ -5,6 +5,9 @@ Parameter names, shapes, initialisation and construction order are those of fair
 how it is batched: the three self-attention projections run as one GEMM, and the cross-attention
 keys/values of all decoder layers come precomputed from :class:`LayerBatchedEncoderKV`.
 
+When decoding, the self-attention keys/values of earlier steps live in a preallocated, growable
+cache (:mod:`.kv_cache`), written in place at each step.
+
 Both modules return the output projection *without its bias*: the layer fuses
 ``bias + dropout + residual`` in one op. Under ``--ls-fp8`` their projections run as FP8 matmuls
 in training (``sublayers.linear_of``); the cross-attention keys/values do not.
@@ -18,6 +21,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from .. import ops
+from .kv_cache import LayerKVCache, SelfAttentionKVCache
 from .sublayers import linear_of
 
 
@@ -84,8 +88,13 @@ class SelfAttention(_Attention):
         causal: bool,
         incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
         need_weights: bool = False,
+        kv_cache: Optional[LayerKVCache] = None,
     ):
-        """x [B, T, C] -> (out_proj(ctx) without bias [B, T, C], probs [B, H, T, S] or None)."""
+        """x [B, T, C] -> (out_proj(ctx) without bias [B, T, C], probs [B, H, T, S] or None).
+
+        With ``incremental_state`` (decoding), the keys/values of earlier steps come from
+        ``kv_cache``, this layer's slot of the decoder's cache, or without it from a cache of
+        this module's own in ``incremental_state``."""
         bsz, tgt_len, _ = x.shape
         linear = linear_of(self)
         weight, bias = self.qkv_weight_and_bias()
@@ -96,37 +105,30 @@ class SelfAttention(_Attention):
             return linear(_merge_heads(ctx), self.out_proj.weight), None
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
         if incremental_state is not None:
-            saved = self.get_incremental_state(incremental_state, "attn_state")
-            if saved is not None:
-                k = torch.cat([saved["prev_key"], k], dim=2)
-                v = torch.cat([saved["prev_value"], v], dim=2)
-                prev_mask = saved.get("prev_key_padding_mask")
-                if prev_mask is not None or key_padding_mask is not None:
-                    if prev_mask is None:
-                        prev_mask = key_padding_mask.new_zeros(bsz, k.size(2) - tgt_len)
-                    if key_padding_mask is None:
-                        key_padding_mask = prev_mask.new_zeros(bsz, tgt_len)
-                    key_padding_mask = torch.cat([prev_mask, key_padding_mask], dim=1)
-            self.set_incremental_state(
-                incremental_state,
-                "attn_state",
-                {"prev_key": k, "prev_value": v, "prev_key_padding_mask": key_padding_mask},
-            )
+            if kv_cache is None:
+                kv_cache = self._own_kv_cache(incremental_state)
+            k, v, key_padding_mask = kv_cache.append(qkv[:, :, 1:], key_padding_mask)
         ctx, probs = ops.attention(
             q, k, v, key_padding_mask, causal=causal, dropout_p=self.dropout,
             training=self.training, need_weights=need_weights,
         )
         return linear(_merge_heads(ctx), self.out_proj.weight), probs
 
+    def _own_kv_cache(self, incremental_state) -> LayerKVCache:
+        state = self.get_incremental_state(incremental_state, "kv_cache")
+        if state is None:
+            state = {"cache": SelfAttentionKVCache(num_layers=1)}
+            self.set_incremental_state(incremental_state, "kv_cache", state)
+        return state["cache"].layers[0]
+
     def reorder_incremental_state(
         self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor
     ):
-        saved = self.get_incremental_state(incremental_state, "attn_state")
-        if saved is not None:
-            for key, value in saved.items():
-                if value is not None:
-                    saved[key] = value.index_select(0, new_order)
-            self.set_incremental_state(incremental_state, "attn_state", saved)
+        """Reorders this module's own cache; a decoder's shared cache is its decoder's to
+        reorder."""
+        state = self.get_incremental_state(incremental_state, "kv_cache")
+        if state is not None:
+            state["cache"].reorder(new_order)
         return incremental_state
 
 

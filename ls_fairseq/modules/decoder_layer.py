@@ -7,6 +7,7 @@ from torch import Tensor
 from .. import ops
 from ..ops.bias_act_dropout import check_activation
 from .attention import CrossAttention, SelfAttention
+from .kv_cache import LayerKVCache
 from .sublayers import check_post_ln_call, feed_forward, pre_ln_input, sublayer_output
 from .layer_norm import LayerNorm
 
@@ -49,17 +50,20 @@ class TransformerDecoderLayer(nn.Module):
         causal: bool = True,
         normed: Optional[Tensor] = None,
         next_norm: Optional[nn.Module] = None,
+        self_attn_cache: Optional[LayerKVCache] = None,
     ):
         """x [B, T, C]; encoder_kv = (k, v) [B, H, S, D] -> (x, cross-attention probs or None).
 
         Pre-LN only: ``normed`` is ``self_attn_layer_norm(x)`` when the previous layer computed it;
         with ``next_norm`` the first output is ``(x, next_norm(x))`` (see ``next_norms``).
+        ``self_attn_cache``: when decoding, this layer's slot of the decoder's self-attention
+        key/value cache (``SelfAttention.forward``'s ``kv_cache``).
         """
         k, v = encoder_kv
         if self.normalize_before:
             h, residual = pre_ln_input(x, self.self_attn_layer_norm, normed)
             y, _ = self.self_attn(h, self_attn_padding_mask, causal=causal,
-                                  incremental_state=incremental_state)
+                                  incremental_state=incremental_state, kv_cache=self_attn_cache)
             x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,
                                    self.training, self.encoder_attn_layer_norm)
             y, attn = self.encoder_attn(h, k, v, encoder_padding_mask, need_weights=need_attn)
@@ -69,7 +73,7 @@ class TransformerDecoderLayer(nn.Module):
 
         check_post_ln_call(normed, next_norm)
         y, _ = self.self_attn(x, self_attn_padding_mask, causal=causal,
-                              incremental_state=incremental_state)
+                              incremental_state=incremental_state, kv_cache=self_attn_cache)
         x = self.self_attn_layer_norm(ops.bias_dropout_residual(
             y, self.self_attn.out_proj.bias, x, self.dropout, self.training))
         y, attn = self.encoder_attn(x, k, v, encoder_padding_mask, need_weights=need_attn)

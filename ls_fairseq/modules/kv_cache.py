@@ -1,0 +1,193 @@
+"""Self-attention keys and values of incremental decoding, in preallocated buffers.
+
+One buffer holds the keys and values of every decoder layer, ``[layers, 2, rows, heads, capacity,
+head_dim]`` (keys at index 0 of dim 1, values at 1). A decoding step writes its keys/values at the
+layer's next positions in place (no concatenation) and attends over views of the filled positions,
+``[rows, heads, length, head_dim]``, whose rows and heads fold into one batch dimension (a strided
+batched GEMM reads them in place, as it read the contiguous concatenation). Beam search reorders
+the filled positions of all layers with one gather into a second buffer of the same shape, and the
+two swap roles. A step that would pass the capacity doubles it (the buffers are reallocated, the
+filled positions copied): there is no length cap, the generator's ``--max-len-a/--max-len-b`` and
+the model's positions decide.
+
+Nothing here reads device memory from the host: positions and lengths are Python ints, and between
+two growths the keys/values live in the same two buffers, as capturing a decoder step in a CUDA
+graph needs.
+
+Key padding masks, which fairseq passes only when a decoder input holds padding, are kept the same
+way in a ``[layers, rows, capacity]`` buffer made when a layer first receives one. From then on
+that layer attends with the mask of all its positions, False where no mask was given, as
+fairseq's ``MultiheadAttention`` does (``_append_prev_key_padding_mask``).
+
+Under autograd (grad enabled and keys/values that require it) the cache concatenates instead:
+in-place writes into a buffer would invalidate the views that earlier steps saved for backward.
+
+The cache belongs to one decoding run (it lives in fairseq's ``incremental_state``), so
+generators and models in one process are independent.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+#: positions allocated at the first step; each growth doubles the capacity
+INITIAL_CAPACITY = 16
+
+
+class LayerKVCache:
+    """One layer's view of a :class:`SelfAttentionKVCache`, handed to that layer's attention."""
+
+    __slots__ = ("cache", "index")
+
+    def __init__(self, cache: "SelfAttentionKVCache", index: int):
+        self.cache = cache
+        self.index = index
+
+    def append(self, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
+        """See :meth:`SelfAttentionKVCache.append`."""
+        return self.cache.append(self.index, kv, key_padding_mask)
+
+
+class SelfAttentionKVCache:
+    """Self-attention keys/values (and key padding masks) of ``num_layers`` layers for one
+    incremental decoding run. Allocated at the first :meth:`append`, from its keys/values'
+    shape, dtype and device; ``capacity``: the positions allocated then (``INITIAL_CAPACITY``)."""
+
+    def __init__(self, num_layers: int, capacity: Optional[int] = None):
+        capacity = INITIAL_CAPACITY if capacity is None else capacity
+        if num_layers < 1 or capacity < 1:
+            raise ValueError(f"SelfAttentionKVCache needs num_layers >= 1 and capacity >= 1, got "
+                             f"{num_layers} and {capacity}")
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.rows = 0  # the decoding batch: a prefix of the buffers' rows
+        self.lengths = [0] * num_layers  # positions written, per layer
+        self.grows = 0
+        self.buffer: Optional[Tensor] = None  # [L, 2, R, H, capacity, D]
+        self.spare: Optional[Tensor] = None  # the reorder's target, then swapped in
+        self.mask: Optional[Tensor] = None  # [L, R, capacity], from a layer's first mask on
+        self.spare_mask: Optional[Tensor] = None
+        self.masked = [False] * num_layers
+        # autograd mode: per layer (keys, values, mask), concatenated every step
+        self.concat: Optional[List[Optional[Tuple[Tensor, Tensor, Optional[Tensor]]]]] = None
+        self.layers = [LayerKVCache(self, i) for i in range(num_layers)]
+
+    def append(self, layer: int, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
+        """Adds one step of ``layer``: ``kv`` [B, T, 2, H, D] (keys at index 0 of dim 2, the
+        layout of a fused QKV projection's last two thirds), ``key_padding_mask`` [B, T] or None.
+        Returns ``(k, v, mask)``: keys and values of every position so far, [B, H, length, D]
+        views, and the mask [B, length] to attend with (None while the layer never had one)."""
+        buffer = self.buffer
+        if buffer is None or (kv.requires_grad and torch.is_grad_enabled()):
+            return self._append_first_or_autograd(layer, kv, key_padding_mask)
+        rows, steps = kv.shape[:2]
+        if rows != self.rows:
+            raise ValueError(f"decoding step of {rows} rows for a cache of {self.rows} (a batch "
+                             "change goes through reorder_incremental_state)")
+        start = self.lengths[layer]
+        end = start + steps
+        if end > self.capacity:
+            self._grow(end)
+            buffer = self.buffer
+        slot = buffer[layer] if rows == buffer.size(2) else buffer[layer, :, :rows]
+        slot.narrow(3, start, steps).copy_(kv.permute(2, 0, 3, 1, 4))  # slot [2, B, H, cap, D]
+        self.lengths[layer] = end
+        k, v = slot.narrow(3, 0, end).unbind(0)
+        if key_padding_mask is None and self.mask is None:
+            return k, v, None
+        return k, v, self._append_mask(layer, key_padding_mask, start, end)
+
+    def _append_first_or_autograd(self, layer: int, kv: Tensor,
+                                  key_padding_mask: Optional[Tensor]):
+        grad = kv.requires_grad and torch.is_grad_enabled()
+        if self.buffer is None and (self.concat is not None or grad):
+            return self._append_concat(layer, kv, key_padding_mask)
+        if grad:
+            raise RuntimeError(
+                "ls_fairseq's decoding cache writes keys/values in place, which autograd cannot "
+                "differentiate through; this run began without gradients, so keep it so "
+                "(decode under torch.no_grad(), as fairseq's SequenceGenerator does)")
+        self._allocate(kv.size(0), kv)
+        return self.append(layer, kv, key_padding_mask)
+
+    def reorder(self, new_order: Tensor):
+        """Row ``i`` becomes row ``new_order[i]`` (beam search's reorder; a shorter
+        ``new_order`` drops finished sentences): one gather of every layer's filled positions."""
+        if self.concat is not None:
+            self.concat = [None if s is None else tuple(
+                None if t is None else t.index_select(0, new_order) for t in s)
+                for s in self.concat]
+            return
+        rows = new_order.size(0)
+        if self.buffer is None:
+            return
+        filled = max(self.lengths)
+        if self.spare is None or self.spare.size(2) < rows:
+            shape = self.buffer.shape
+            self.spare = self.buffer.new_empty(shape[:2] + (rows,) + shape[3:])
+        torch.index_select(self.buffer[:, :, :self.rows, :, :filled], 2, new_order,
+                           out=self.spare[:, :, :rows, :, :filled])
+        self.buffer, self.spare = self.spare, self.buffer
+        if self.mask is not None:
+            if self.spare_mask is None or self.spare_mask.size(1) < rows:
+                self.spare_mask = self.mask.new_zeros(
+                    (self.num_layers, rows, self.mask.size(2)))
+            torch.index_select(self.mask[:, :self.rows, :filled], 1, new_order,
+                               out=self.spare_mask[:, :rows, :filled])
+            self.mask, self.spare_mask = self.spare_mask, self.mask
+        self.rows = rows
+
+    def _allocate(self, rows: int, kv: Tensor):
+        _, _, _, heads, head_dim = kv.shape
+        self.rows = rows
+        self.buffer = kv.new_empty((self.num_layers, 2, rows, heads, self.capacity, head_dim))
+
+    def _grow(self, end: int):
+        """Capacity x2 (or ``end`` if more), keeping the filled positions of the live rows."""
+        capacity = max(end, 2 * self.capacity)
+        filled = max(self.lengths)
+        old = self.buffer
+        # rows dropped by earlier reorders (finished sentences) are not carried over
+        self.buffer = old.new_empty(old.shape[:2] + (self.rows, old.size(3), capacity, old.size(5)))
+        self.buffer[:, :, :self.rows, :, :filled].copy_(old[:, :, :self.rows, :, :filled])
+        self.spare = None  # reallocated at the next reorder, at the new capacity
+        if self.mask is not None:
+            old_mask = self.mask
+            self.mask = old_mask.new_zeros((self.num_layers, self.rows, capacity))
+            self.mask[:, :self.rows, :filled].copy_(old_mask[:, :self.rows, :filled])
+            self.spare_mask = None
+        self.capacity = capacity
+        self.grows += 1
+
+    def _append_mask(self, layer: int, key_padding_mask: Optional[Tensor], start: int, end: int):
+        if self.mask is None:  # positions before the first mask are not padding
+            self.mask = key_padding_mask.new_zeros(
+                (self.num_layers, self.buffer.size(2), self.capacity))
+        slot = self.mask[layer, :self.rows]
+        if key_padding_mask is None:
+            slot[:, start:end].zero_()
+        else:
+            slot[:, start:end].copy_(key_padding_mask)
+            self.masked[layer] = True
+        return slot[:, :end] if self.masked[layer] else None
+
+    def _append_concat(self, layer: int, kv: Tensor, key_padding_mask: Optional[Tensor]):
+        """Autograd mode: concatenation along the positions, fairseq's way."""
+        if self.concat is None:
+            self.concat = [None] * self.num_layers
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        saved = self.concat[layer]
+        if saved is not None:
+            prev_k, prev_v, prev_mask = saved
+            k = torch.cat([prev_k, k], dim=2)
+            v = torch.cat([prev_v, v], dim=2)
+            if prev_mask is not None or key_padding_mask is not None:
+                bsz, steps = kv.size(0), kv.size(1)
+                if prev_mask is None:
+                    prev_mask = key_padding_mask.new_zeros(bsz, k.size(2) - steps)
+                if key_padding_mask is None:
+                    key_padding_mask = prev_mask.new_zeros(bsz, steps)
+                key_padding_mask = torch.cat([prev_mask, key_padding_mask], dim=1)
+        self.concat[layer] = (k, v, key_padding_mask)
+        self.lengths[layer] = k.size(2)
+        return k, v, key_padding_mask
