@@ -258,3 +258,42 @@ def test_reduce_metrics_logs_model_tflops_and_mfu(dictionary, monkeypatch):
     assert values["tflops"] == 500.0  # 2e12 FLOPs in 4 ms
     assert values["mfu"] == 62.5  # of 800 TFLOP/s
     assert "_ls_flops" not in values
+
+
+def test_tflops_and_mfu_read_the_running_clock_once(dictionary, monkeypatch):
+    """fairseq's wps meter is a running clock: tflops and mfu, derived one after the other, must
+    divide by the same seconds (a second read drifted mfu off tflops / peak)."""
+    from fairseq.logging import metrics
+
+    import ls_fairseq.criterions.ls_label_smoothed_cross_entropy as module
+
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(module, "device_peak_tflops", lambda index: 989.4)
+    monkeypatch.setattr(module, "several_workers", lambda: False)
+
+    class RunningClock:  # like fairseq's TimeMeter: each read is later than the last
+        def __init__(self):
+            self.n, self.start, self.reads = 1, 0.0, 0
+            self.smoothed_value = 0
+
+        @property
+        def elapsed_time(self):
+            self.reads += 1
+            return 0.1 + 0.0005 * self.reads
+
+    def log(flops, clock):
+        with metrics.aggregate(new_root=True) as agg:
+            LSLabelSmoothedCrossEntropyCriterion.reduce_metrics(
+                [{"loss": 1.0, "nll_loss": 1.0, "ntokens": 10, "nsentences": 2,
+                  "sample_size": 10, "ls_flops": flops}])
+            agg.add_meter("wps", clock, priority=90)
+            return agg.get_smoothed_values()
+
+    clock = RunningClock()
+    for flops in (7.5e12, 7.6e12):  # two log events: the clock is read once per event
+        values = log(flops, clock)
+        seconds = 0.1 + 0.0005 * clock.reads
+        assert values["tflops"] == round(flops / seconds / 1e12, 1)
+        assert values["mfu"] == round(100 * flops / seconds / 1e12 / 989.4, 1)
+    assert clock.reads == 2

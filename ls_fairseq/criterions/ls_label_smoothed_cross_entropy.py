@@ -149,10 +149,21 @@ def log_model_flops(flops: float) -> None:
 
 
 def _tflops(meters, scale):
-    """``scale`` × model TFLOP/s over the time of the aggregation's ``wps`` meter."""
+    """``scale`` × model TFLOP/s over the time of the aggregation's ``wps`` meter.
+
+    ``wps.elapsed_time`` is a running clock, and ``tflops`` and ``mfu`` are derived one after the
+    other: the clock is read once per log event (kept on the FLOPs meter, keyed by what changes
+    between events), so both divide by the same seconds."""
     wps, flops = meters.get("wps"), meters.get("_ls_flops")
-    seconds = getattr(wps, "elapsed_time", 0) if wps is not None else 0
-    if flops is None or not seconds or seconds <= 0:
+    if wps is None or flops is None:
+        return 0.0
+    key = (getattr(wps, "n", None), getattr(wps, "start", None), flops.sum)
+    read = getattr(flops, "_ls_clock", None)
+    if read is None or read[0] != key:
+        read = (key, getattr(wps, "elapsed_time", 0))
+        flops._ls_clock = read
+    seconds = read[1]
+    if not seconds or seconds <= 0:
         return 0.0
     return round(scale * flops.sum / seconds / 1e12, 1)
 
