@@ -121,17 +121,22 @@ def inputs(n, v, dtype, ignore, seed, pad_frac=0.3):
     return logits, target
 
 
-def reference(logits, target, eps, ignore, used, gl, gn):
-    """Forward rows and gradient of sum(gl * loss) + sum(gn * nll) by PyTorch's autograd."""
-    x = logits.detach().clone().requires_grad_()
-    ii = cuda._NO_IGNORE if ignore is None else ignore
-    loss, nll, _ = label_smoothed_cross_entropy_rows_reference(x, target, eps, ii)
+def _weighted_sum(loss, nll, gl, gn, used):
+    """sum(gl * loss) + sum(gn * nll) over the outputs in ``used``."""
     total = 0
     if "loss" in used:
         total = total + (loss * gl).sum()
     if "nll" in used:
         total = total + (nll * gn).sum()
-    total.backward()
+    return total
+
+
+def reference(logits, target, eps, ignore, used, gl, gn):
+    """Forward rows and gradient of sum(gl * loss) + sum(gn * nll) by PyTorch's autograd."""
+    x = logits.detach().clone().requires_grad_()
+    ii = cuda._NO_IGNORE if ignore is None else ignore
+    loss, nll, _ = label_smoothed_cross_entropy_rows_reference(x, target, eps, ii)
+    _weighted_sum(loss, nll, gl, gn, used).backward()
     return loss.detach(), nll.detach(), x.grad
 
 
@@ -149,12 +154,7 @@ def run(logits, target, eps, ignore, *, leaf, inplace, used, per_row, compute_ar
         x, target, eps, ignore, compute_argmax=compute_argmax, inplace_backward=inplace)
     assert loss.requires_grad and nll.requires_grad and not argmax.requires_grad
     version = x._version
-    total = 0
-    if "loss" in used:
-        total = total + (loss * gl).sum()
-    if "nll" in used:
-        total = total + (nll * gn).sum()
-    total.backward()
+    _weighted_sum(loss, nll, gl, gn, used).backward()
     return dict(loss=loss.detach(), nll=nll.detach(), argmax=argmax, grad=a.grad,
                 calls=list(CALLS), x=x, version=version, gl=gl, gn=gn)
 

@@ -16,18 +16,11 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from fairseq_helpers import build_pair, make_dictionary, max_rel_err, random_batch
+from fairseq_helpers import TINY, build_pair, make_dictionary, max_rel_err, random_batch
 from ls_fairseq.modules import SelfAttention, kv_cache
 from ls_fairseq.modules.kv_cache import SelfAttentionKVCache
 
 TOL = 1e-5
-TINY = [
-    "--encoder-layers", "2", "--decoder-layers", "3",
-    "--encoder-embed-dim", "24", "--decoder-embed-dim", "24",
-    "--encoder-ffn-embed-dim", "40", "--decoder-ffn-embed-dim", "40",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    "--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
-]
 CONFIGS = {
     "post_ln_shared": ("transformer", TINY + ["--share-all-embeddings"]),
     "pre_ln_t2t": ("transformer_wmt_en_de_big_t2t", TINY + ["--share-all-embeddings"]),

@@ -8,16 +8,9 @@ mask, scale, LayerNorm placement or missing term (those give errors of order 1e-
 import pytest
 import torch
 
-from fairseq_helpers import build_pair, grad_err, make_dictionary, max_rel_err, random_batch
+from fairseq_helpers import TINY, build_pair, grad_err, make_dictionary, max_rel_err, random_batch
 
 TOL = 1e-5
-TINY = [
-    "--encoder-layers", "2", "--decoder-layers", "3",
-    "--encoder-embed-dim", "24", "--decoder-embed-dim", "24",
-    "--encoder-ffn-embed-dim", "40", "--decoder-ffn-embed-dim", "40",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    "--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
-]
 
 CONFIGS = {
     "post_ln_shared": ("transformer", TINY + ["--share-all-embeddings"]),

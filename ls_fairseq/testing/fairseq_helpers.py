@@ -9,6 +9,17 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 import ls_fairseq  # noqa: F401  (registers the ls_ components)
 
 
+#: a tiny Transformer of every architecture: 2 encoder / 3 decoder layers of width 24, 4 heads,
+#: FFN 40 (odd sizes), dropout off (the model tests compare against fairseq without masks)
+TINY = [
+    "--encoder-layers", "2", "--decoder-layers", "3",
+    "--encoder-embed-dim", "24", "--decoder-embed-dim", "24",
+    "--encoder-ffn-embed-dim", "40", "--decoder-ffn-embed-dim", "40",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
+]
+
+
 def make_dictionary(num_symbols=37):
     d = Dictionary()
     for i in range(num_symbols):
