@@ -14,7 +14,9 @@ Layers, lowest first (``ls_fairseq/ops/README.md`` for ops' own convention):
   ``criterions``, ``optim`` or ``graphs``;
 * ``modules`` (the layers) imports nothing from ``models``, ``criterions`` or ``optim``;
 * ``graphs`` (CUDA graph capture; the package may not exist) imports nothing from
-  ``criterions``, ``optim`` or ``models``.
+  ``criterions``, ``optim`` or ``models``;
+* ``generation`` (decoding) sits above ``models``: nothing below imports it, and it imports
+  nothing from ``criterions``, ``optim`` or ``graphs``.
 
 Run as a script (``python tests/test_import_graph.py``) it prints the cycles and upward arrows.
 """
@@ -27,9 +29,11 @@ PACKAGE = "ls_fairseq"
 
 #: layer -> the subpackages of ls_fairseq it must not import
 FORBIDDEN = {
-    "ops": ("modules", "models", "criterions", "optim", "graphs"),
-    "modules": ("models", "criterions", "optim"),
-    "graphs": ("criterions", "optim", "models"),
+    "ops": ("modules", "models", "criterions", "optim", "graphs", "generation"),
+    "modules": ("models", "criterions", "optim", "generation"),
+    "models": ("generation",),
+    "graphs": ("criterions", "optim", "models", "generation"),
+    "generation": ("criterions", "optim", "graphs"),
 }
 
 

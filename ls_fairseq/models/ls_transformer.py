@@ -235,10 +235,11 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
                 features_only: bool = False, full_context_alignment: bool = False,
                 alignment_layer: Optional[int] = None, alignment_heads: Optional[int] = None,
-                src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False):
+                src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False,
+                need_attn: bool = True):
         x, extra = self.extract_features(
             prev_output_tokens, encoder_out, incremental_state, full_context_alignment,
-            alignment_layer, alignment_heads,
+            alignment_layer, alignment_heads, need_attn=need_attn,
         )
         if not features_only:
             x = self.output_layer(x)
@@ -260,7 +261,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         """The self-attention keys/values of all layers, one buffer for the decoding run."""
         state = self.get_incremental_state(incremental_state, "self_kv")
         if state is None:
-            state = {"cache": SelfAttentionKVCache(self.num_layers)}
+            state = {"cache": SelfAttentionKVCache(max(self.num_layers, 1))}
             self.set_incremental_state(incremental_state, "self_kv", state)
         return state["cache"]
 
@@ -269,7 +270,14 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                          incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
                          full_context_alignment: bool = False,
                          alignment_layer: Optional[int] = None,
-                         alignment_heads: Optional[int] = None):
+                         alignment_heads: Optional[int] = None, need_attn: bool = True):
+        """fairseq's ``extract_features``. ``need_attn=False`` skips the alignment layer's
+        attention weights outside training (``ls_fairseq.generation`` does not use them).
+
+        When decoding, ``incremental_state`` holds the self-attention cache: the decoder's own
+        growable :class:`SelfAttentionKVCache`, or a :class:`StaticKVCache` that a fixed-shape
+        generator put there (``prev_output_tokens`` is then the last tokens, [rows, 1]; the
+        positions and padding mask come from the cache)."""
         if encoder_out is None or len(encoder_out["encoder_out"]) == 0:
             raise ValueError("ls_transformer's decoder needs the encoder output")
         # attention weights cost a full probability tensor: computed for generation (alignments,
@@ -277,22 +285,27 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         need_attn_layer = alignment_layer
         if alignment_layer is None:
             alignment_layer = self.num_layers - 1
-            need_attn_layer = None if self.training else alignment_layer
+            need_attn_layer = None if self.training or not need_attn else alignment_layer
         enc = encoder_out["encoder_out"][0]
         padding_mask = (encoder_out["encoder_padding_mask"][0]
                         if len(encoder_out["encoder_padding_mask"]) > 0 else None)
         incremental = incremental_state is not None
         cross_kv = self._cross_kv(enc, incremental_state)
-        self_kv = (self._self_kv_cache(incremental_state).layers if incremental and self.num_layers
+        self_kv = (self._self_kv_cache(incremental_state).layers if incremental
                    else [None] * self.num_layers)
 
-        x = self.embedding(prev_output_tokens, self.embed_tokens, self.embed_positions,
-                           self.layernorm_embedding, self.project_in_dim, incremental=incremental)
+        positions, max_len = None, None
         if incremental:
+            cache = self._self_kv_cache(incremental_state)
             tokens = prev_output_tokens[:, -1:]
-            self_attn_padding_mask = tokens.eq(self.padding_idx) if tokens.eq(
-                self.padding_idx).any() else None
-        else:  # always passed in training: no host sync, same math as fairseq's optional mask
+            self_attn_padding_mask = cache.begin_step(tokens, self.padding_idx)
+            positions = cache.positions(self.padding_idx)
+            if positions is not None:
+                max_len = cache.capacity
+        x = self.embedding(prev_output_tokens, self.embed_tokens, self.embed_positions,
+                           self.layernorm_embedding, self.project_in_dim, incremental=incremental,
+                           positions=positions, max_len=max_len)
+        if not incremental:  # always passed in training: no host sync, same math as fairseq's optional mask
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
 
         attn: Optional[Tensor] = None

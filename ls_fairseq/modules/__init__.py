@@ -11,7 +11,7 @@ from .cross_attention_kv import LayerBatchedEncoderKV
 from .decoder_layer import TransformerDecoderLayer
 from .embedding import TransformerEmbedding
 from .encoder_layer import TransformerEncoderLayer
-from .kv_cache import LayerKVCache, SelfAttentionKVCache
+from .kv_cache import LayerKVCache, SelfAttentionKVCache, StaticKVCache
 from .layer_norm import LayerNorm
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "LayerNorm",
     "SelfAttention",
     "SelfAttentionKVCache",
+    "StaticKVCache",
     "TransformerDecoderLayer",
     "TransformerEmbedding",
     "TransformerEncoderLayer",

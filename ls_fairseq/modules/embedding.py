@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from fairseq import utils
 from fairseq.modules import SinusoidalPositionalEmbedding
 
@@ -64,10 +65,21 @@ class TransformerEmbedding(nn.Module):
 
     def forward(self, tokens, embed_tokens: nn.Embedding, embed_positions: Optional[nn.Module],
                 layernorm_embedding: Optional[nn.Module] = None,
-                project_in_dim: Optional[nn.Module] = None, incremental: bool = False):
-        """tokens [B, T] -> [B, T', C] (T' = 1 for an incremental decoding step)."""
-        pos_table = self.positional_table(embed_positions, tokens.size(1))
-        positions = self.positions(tokens, incremental) if pos_table is not None else None
+                project_in_dim: Optional[nn.Module] = None, incremental: bool = False,
+                positions: Optional[Tensor] = None, max_len: Optional[int] = None):
+        """tokens [B, T] -> [B, T', C] (T' = 1 for an incremental decoding step).
+
+        ``positions`` [B, T'] (incremental only): given instead of counted from ``tokens``, with
+        ``max_len`` the most tokens a sequence can reach (a fixed-shape decoding step, whose
+        position lives in a device tensor)."""
+        if positions is not None and (not incremental or max_len is None):
+            raise ValueError("explicit positions are for incremental decoding, with max_len")
+        pos_table = self.positional_table(
+            embed_positions, max_len if positions is not None else tokens.size(1))
+        if pos_table is None:
+            positions = None
+        elif positions is None:
+            positions = self.positions(tokens, incremental)
         if incremental:
             tokens = tokens[:, -1:]
         if project_in_dim is None and layernorm_embedding is None:

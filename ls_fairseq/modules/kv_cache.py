@@ -24,6 +24,11 @@ in-place writes into a buffer would invalidate the views that earlier steps save
 
 The cache belongs to one decoding run (it lives in fairseq's ``incremental_state``), so
 generators and models in one process are independent.
+
+:class:`StaticKVCache` is the fixed-shape variant for a decoder step captured as a CUDA graph
+(``ls_fairseq.generation``): a fixed capacity, the step to write held in a device tensor, and
+attention over every position with the unwritten ones masked, so no shape or host value changes
+from one step to the next.
 """
 from typing import List, Optional, Tuple
 
@@ -71,6 +76,16 @@ class SelfAttentionKVCache:
         # autograd mode: per layer (keys, values, mask), concatenated every step
         self.concat: Optional[List[Optional[Tuple[Tensor, Tensor, Optional[Tensor]]]]] = None
         self.layers = [LayerKVCache(self, i) for i in range(num_layers)]
+
+    def positions(self, padding_idx: int) -> Optional[Tensor]:
+        """None: the embedding numbers the positions from the decoder input's length."""
+        return None
+
+    def begin_step(self, tokens: Tensor, padding_idx: int) -> Optional[Tensor]:
+        """The self-attention padding mask of this step's tokens (``[rows, 1]``): None unless one
+        of them is padding, as fairseq passes it (this reads the tokens back to the host)."""
+        mask = tokens.eq(padding_idx)
+        return mask if mask.any() else None
 
     def append(self, layer: int, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
         """Adds one step of ``layer``: ``kv`` [B, T, 2, H, D] (keys at index 0 of dim 2, the
@@ -191,3 +206,81 @@ class SelfAttentionKVCache:
         self.concat[layer] = (k, v, key_padding_mask)
         self.lengths[layer] = k.size(2)
         return k, v, key_padding_mask
+
+
+class StaticLayerKVCache:
+    """One layer's view of a :class:`StaticKVCache`, handed to that layer's attention."""
+
+    __slots__ = ("cache", "index")
+
+    def __init__(self, cache: "StaticKVCache", index: int):
+        self.cache = cache
+        self.index = index
+
+    def append(self, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
+        """See :meth:`StaticKVCache.append`."""
+        return self.cache.append(self.index, kv)
+
+
+class StaticKVCache:
+    """Self-attention keys/values of ``num_layers`` layers in fixed-shape buffers: ``buffer``
+    ``[layers, 2, rows, heads, capacity, head_dim]``, ``mask`` ``[rows, capacity]`` (True where a
+    position is padding or not written yet) and ``step``, a one-element device tensor: the position
+    the next decoding step writes. Every method keeps shapes and reads nothing back to the host, so
+    a decoding step that uses it can be captured once and replayed for every step below
+    ``capacity``. ``buffer`` and ``mask`` may be views of larger tensors (a workspace reused
+    across batches)."""
+
+    def __init__(self, buffer: Tensor, mask: Tensor, step: Tensor):
+        if buffer.dim() != 6 or buffer.size(1) != 2 or mask.shape != (buffer.size(2), buffer.size(4)):
+            raise ValueError(f"StaticKVCache needs buffer [L, 2, R, H, C, D] and mask [R, C], got "
+                             f"{tuple(buffer.shape)} and {tuple(mask.shape)}")
+        self.buffer = buffer
+        self.mask = mask
+        self.step = step
+        self.num_layers = buffer.size(0)
+        self.rows = buffer.size(2)
+        self.capacity = buffer.size(4)
+        self.layers = [StaticLayerKVCache(self, i) for i in range(self.num_layers)]
+
+    def reset(self):
+        """Empty: every position masked, step 0."""
+        self.mask.fill_(True)
+        self.step.zero_()
+
+    def positions(self, padding_idx: int) -> Tensor:
+        """The positions of this step's tokens, ``[rows, 1]``: fairseq's ``padding_idx + 1 + step``
+        (the token at ``step`` has ``step`` tokens before it)."""
+        return (self.step + (padding_idx + 1)).repeat(self.rows).view(self.rows, 1)
+
+    def begin_step(self, tokens: Tensor, padding_idx: int) -> Tensor:
+        """Records which of this step's tokens (``[rows, 1]``) are padding; returns the mask every
+        layer attends with, ``[rows, capacity]``."""
+        self.mask.index_copy_(1, self.step, tokens.eq(padding_idx))
+        return self.mask
+
+    def append(self, layer: int, kv: Tensor):
+        """Writes one step of ``layer``, ``kv`` [rows, 1, 2, H, D], at ``step``; returns ``(k, v,
+        mask)``: keys and values of every position, [rows, H, capacity, D] views, and the mask."""
+        slot = self.buffer[layer]  # [2, R, H, C, D]
+        slot.index_copy_(3, self.step, kv.permute(2, 0, 3, 1, 4))
+        k, v = slot.unbind(0)
+        return k, v, self.mask
+
+    def reorder(self, new_order: Tensor):
+        """Row ``i`` becomes row ``new_order[i]`` (``rows`` entries: the batch never shrinks)."""
+        self.buffer.copy_(self.buffer.index_select(2, new_order))
+        self.mask.copy_(self.mask.index_select(0, new_order))
+
+    def advance(self):
+        self.step.add_(1)
+
+    def copy_from(self, other: "StaticKVCache"):
+        """Takes ``other``'s positions and step (a smaller capacity: the step outgrew it)."""
+        if other.capacity > self.capacity or other.rows != self.rows:
+            raise ValueError("StaticKVCache.copy_from needs a cache of the same rows and no larger "
+                             "capacity")
+        self.buffer[:, :, :, :, :other.capacity].copy_(other.buffer)
+        self.mask[:, :other.capacity].copy_(other.mask)
+        self.mask[:, other.capacity:].fill_(True)
+        self.step.copy_(other.step)

@@ -1,0 +1,400 @@
+"""``LSSequenceGenerator``: fairseq's ``SequenceGenerator`` with a fixed-shape, graph-replayed
+beam search for ls_ models.
+
+``fairseq-generate`` and ``fairseq-interactive`` build their generator with
+``task.build_generator``; with ``--user-dir ls_fairseq`` and ls_transformer models that builds
+this class (``ls_fairseq.fairseq_patches``, patch 5). It takes fairseq's options unchanged. A
+batch is decoded by :meth:`LSSequenceGenerator._generate`:
+
+1. the encoder runs once; the cross-attention keys/values of every decoder layer come from one
+   GEMM over the sentences (not over beam copies) and are copied into a workspace buffer;
+2. every step runs the same work: the decoder step over a
+   :class:`~ls_fairseq.modules.kv_cache.StaticKVCache`, log-softmax, and one
+   :class:`~ls_fairseq.generation.beam_search.BeamState` step (top-k, finalisation,
+   reordering). For fp16/bf16 models on a GPU the step has fixed shapes and is captured as a
+   CUDA graph the first time a shape occurs, then replayed; the host reads the number of
+   unfinished sentences one step late, so the GPU never waits for it. Elsewhere (fp32, the CPU,
+   ``LS_FAIRSEQ_GENERATOR=eager``) the same step runs eagerly over the exact lengths;
+3. once at most ``1/SHRINK`` of a batch's sentences are unfinished, they move to the workspace
+   of the next power of two (fairseq drops finished sentences at every step);
+4. the hypotheses are read out at the end (and at each shrink), in fairseq's format and order.
+
+Shapes: a workspace per (sentences, beam) holds every buffer, reused by later batches of that
+shape. With graphs, the source length is rounded up to a power of two (>= 16; ``SOURCE_BUCKET``
+> 0: a multiple of it) and the self-attention capacity is a power of two from
+``INITIAL_CAPACITY`` up to ``max_len + 1``, with the extra positions masked; one graph per
+(source bucket, capacity) of a workspace.
+
+Where it does not apply (an ensemble, ``--sampling``, ``--diverse-beam-*``, ``--match-source-len``,
+``--no-repeat-ngram-size``, ``--lm-path``, ``--prefix-size``, ``--constraints``, tokens to suppress,
+or a model other than ls_transformer) fairseq's own ``_generate`` runs, with one log line naming
+the option. ``LS_FAIRSEQ_GENERATOR=fairseq`` turns it off; ``=eager`` replays no graphs.
+"""
+import logging
+import os
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from fairseq import search
+from fairseq.sequence_generator import SequenceGenerator
+from torch import Tensor
+
+from ..models.ls_transformer import LSTransformerDecoder
+from ..modules.kv_cache import StaticKVCache
+from .beam_search import BeamState
+
+logger = logging.getLogger(__name__)
+
+ENV = "LS_FAIRSEQ_GENERATOR"
+MODES = ("graphs", "eager", "fairseq")
+#: source lengths round up to a multiple of this on a GPU (0: to a power of two, >= 16)
+SOURCE_BUCKET = 0
+INITIAL_CAPACITY = 16
+#: a batch shrinks when at most 1/SHRINK of its sentences are unfinished
+SHRINK = 8
+#: eager steps with the graphs' padded shapes (tests compare the two bit for bit)
+PAD_EAGER = False
+
+
+def mode() -> str:
+    """``LS_FAIRSEQ_GENERATOR``: ``graphs`` (default; eager on a CPU), ``eager`` or ``fairseq``."""
+    value = os.environ.get(ENV, "graphs").strip().lower() or "graphs"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def _source_bucket(n: int) -> int:
+    if SOURCE_BUCKET <= 0:
+        return max(16, 1 << (n - 1).bit_length())
+    return -(-n // SOURCE_BUCKET) * SOURCE_BUCKET
+
+
+class _Workspace:
+    """Every buffer a decoding step of ``bsz`` sentences x ``beam`` touches, reused by the batches
+    of that shape; the CUDA graphs captured over them, by (source bucket, capacity)."""
+
+    def __init__(self, gen: "LSSequenceGenerator", decoder: LSTransformerDecoder, bsz: int,
+                 beam: int, src_len: int, width: int, dtype, device):
+        self.bsz, self.beam, self.rows = bsz, beam, bsz * beam
+        layer = decoder.layers[0].self_attn
+        heads, head_dim = layer.num_heads, layer.head_dim
+        layers = decoder.num_layers
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.state = BeamState(bsz, beam, width, gen.vocab_size, self.step, pad=gen.pad,
+                               unk=gen.unk, eos=gen.eos, min_len=gen.min_len,
+                               unk_penalty=gen.unk_penalty)
+        self.dtype = dtype
+        self.kv_shape = (layers, 2, self.rows, heads, head_dim)
+        # self-attention keys/values per capacity: contiguous [L, 2, R, H, C, D] and [R, C]
+        # (a beam reorder then gathers whole contiguous blocks); made when first needed
+        self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.cross = torch.zeros(self.rows, src_len, 2 * layers, heads, head_dim, dtype=dtype,
+                                 device=device)
+        self.cross_mask = torch.ones(self.rows, src_len, dtype=torch.bool, device=device)
+        self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.done: Optional[Tensor] = None  # pinned host counts, one per step parity
+        self.events = [None, None]
+        self.done_step = [-1, -1]  # the step whose count each slot holds (-1: none this run)
+        self.previous_count: Optional[Tensor] = None  # eager: the count read one step late
+
+    def fits(self, src_len: int, width: int, dtype) -> bool:
+        return (self.cross.size(1) >= src_len and self.state.width >= width
+                and self.dtype == dtype)
+
+    def buffers(self, capacity: int) -> Tuple[Tensor, Tensor]:
+        """The keys/values and mask buffers of ``capacity`` positions."""
+        if capacity not in self.kv:
+            layers, two, rows, heads, head_dim = self.kv_shape
+            self.kv[capacity] = (
+                torch.zeros(layers, two, rows, heads, capacity, head_dim, dtype=self.dtype,
+                            device=self.step.device),
+                torch.ones(rows, capacity, dtype=torch.bool, device=self.step.device))
+        return self.kv[capacity]
+
+    def cache(self, capacity: int, length: Optional[int] = None) -> StaticKVCache:
+        """The cache over the first ``length`` (default: all) positions of ``capacity``."""
+        kv, mask = self.buffers(capacity)
+        length = capacity if length is None else length
+        return StaticKVCache(kv[:, :, :, :, :length], mask[:, :length], self.step)
+
+    def grow(self, capacity: int, new_capacity: int):
+        """The positions so far move to the buffers of ``new_capacity``."""
+        self.cache(new_capacity).copy_from(self.cache(capacity))
+
+    def load(self, kv: Tensor, padding_mask: Optional[Tensor], src_len: int, bucket: int,
+             bos: int):
+        """A new batch: the sentences' cross-attention keys/values ``kv`` [bsz, S, 2L, H, D]
+        (copied to their beams), the source padding, an empty cache and search state."""
+        bsz, beam = self.bsz, self.beam
+        cross = self.cross.view(bsz, beam, *self.cross.shape[1:])
+        cross[:, :, :src_len].copy_(kv.unsqueeze(1))
+        cross[:, :, src_len:bucket].zero_()
+        mask = self.cross_mask.view(bsz, beam, -1)
+        if padding_mask is None:
+            mask[:, :, :src_len].fill_(False)
+        else:
+            mask[:, :, :src_len].copy_(padding_mask.unsqueeze(1))
+        mask[:, :, src_len:].fill_(True)
+        self.step.zero_()
+        self.state.reset(bos)
+        self.done_step = [-1, -1]
+        self.previous_count = None
+
+    def take_from(self, other: "_Workspace", sentences: Tensor, dummies: int, bucket: int,
+                  capacity: int):
+        """Continues ``other``'s decoding of ``sentences`` (see :meth:`BeamState.take_from`)."""
+        rows = self.state.take_from(other.state, sentences, dummies)
+        self.step.copy_(other.step)
+        self.done_step = [-1, -1]
+        self.previous_count = None
+        kv, mask = self.buffers(capacity)
+        other_kv, other_mask = other.buffers(capacity)
+        torch.index_select(other_kv, 2, rows, out=kv)
+        torch.index_select(other_mask, 0, rows, out=mask)
+        self.cross[:, :bucket].copy_(other.cross[:, :bucket].index_select(0, rows))
+        self.cross_mask.fill_(True)
+        self.cross_mask[:, :bucket].copy_(other.cross_mask[:, :bucket].index_select(0, rows))
+
+
+class LSSequenceGenerator(SequenceGenerator):
+    """fairseq's ``SequenceGenerator`` (same constructor, same output); beam search over a single
+    ls_transformer model runs with fixed shapes (see the module docstring)."""
+
+    def __init__(self, models, tgt_dict, **kwargs):
+        super().__init__(models, tgt_dict, **kwargs)
+        self._workspaces: Dict[Tuple[int, int], _Workspace] = {}
+        self._told = set()
+        self._stream = None  # the capture stream
+        #: counts of the fixed-shape path: steps, graph replays, captures (and their host
+        #: seconds), shrinks
+        self.stats = dict(steps=0, replays=0, captures=0, capture_s=0.0, shrinks=0)
+
+    # ---- when the fixed-shape path applies ----------------------------------------------
+
+    def unsupported(self, prefix_tokens=None, constraints=None) -> Optional[str]:
+        """Why this call decodes with fairseq's own loop (None: it does not)."""
+        if mode() == "fairseq":
+            return f"{ENV}=fairseq"
+        if self.model.models_size != 1:
+            return "an ensemble of several models (--path a:b)"
+        if not isinstance(self.model.single_model.decoder, LSTransformerDecoder):
+            return "a model other than ls_transformer"
+        if type(self.search) is not search.BeamSearch:
+            return (f"the search strategy {type(self.search).__name__} (--sampling, "
+                    "--diverse-beam-groups, --diversity-rate, --match-source-len, --constraints "
+                    "or --prefix-allowed-tokens)")
+        if self.match_source_len:
+            return "--match-source-len"
+        if self.repeat_ngram_blocker is not None:
+            return "--no-repeat-ngram-size"
+        if self.lm_model is not None:
+            return "--lm-path"
+        if self.token_indices_to_suppress is not None:
+            return "tokens to suppress"
+        if prefix_tokens is not None:
+            return "--prefix-size"
+        if constraints is not None:
+            return "--constraints"
+        return None
+
+    def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
+                  constraints: Optional[Tensor] = None, bos_token: Optional[int] = None):
+        net_input = sample["net_input"]
+        reason = self.unsupported(prefix_tokens, constraints)
+        if reason is None and "src_tokens" not in net_input:
+            reason = "a source other than src_tokens"
+        if reason is not None:
+            if reason not in self._told:
+                self._told.add(reason)
+                logger.info(f"ls_fairseq's fixed-shape beam search is off for {reason}: "
+                            "fairseq's SequenceGenerator decodes")
+            return super()._generate(sample, prefix_tokens, constraints, bos_token)
+        return self._generate_fixed(net_input, self.eos if bos_token is None else bos_token)
+
+    # ---- the fixed-shape path -----------------------------------------------------------
+
+    def _generate_fixed(self, net_input, bos: int) -> List[List[Dict[str, Tensor]]]:
+        src_tokens = net_input["src_tokens"]
+        bsz, src_len = src_tokens.size()[:2]
+        beam = self.beam_size
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        assert self.min_len <= max_len, \
+            "min_len cannot be larger than max_len, please adjust these!"
+        model = self.model.single_model
+        decoder: LSTransformerDecoder = model.decoder
+        encoder_out = self.model.forward_encoder(net_input)[0]
+        enc = encoder_out["encoder_out"][0]  # [S, bsz, C]
+        padding = (encoder_out["encoder_padding_mask"][0]
+                   if len(encoder_out["encoder_padding_mask"]) > 0 else None)
+        attns = [layer.encoder_attn for layer in decoder.layers]
+        kv = decoder.encoder_kv.project(enc.transpose(0, 1), attns)  # [bsz, S, 2L, H, D]
+
+        # CUDA graphs for half-precision models (the kernels' dtypes); they need fixed shapes:
+        # the source rounded up to a bucket, attention over a power-of-two capacity, unwritten
+        # positions masked. Without graphs the steps attend over exactly the positions so far.
+        graphs = (src_tokens.is_cuda and mode() == "graphs"
+                  and kv.dtype in (torch.float16, torch.bfloat16))
+        padded = graphs or PAD_EAGER
+        bucket = _source_bucket(src_len) if padded else src_len
+        width = max_len + 2
+        ws = self._workspace(decoder, bsz, beam, bucket, width, kv.dtype, src_tokens.device)
+        ws.load(kv, padding, src_len, bucket, bos)
+
+        capacity = min(INITIAL_CAPACITY, max_len + 1)
+        ws.cache(capacity).reset()
+        step_fn = self._step_function(model, ws, bucket, capacity, None if padded else 1)
+        step_fn(first=True, last=max_len == 0)
+        sentences = list(range(bsz))  # the original index of each of ws's sentences
+        out: List[Optional[List[Dict[str, Tensor]]]] = [None] * bsz
+        for step in range(1, max_len + 1):
+            unfinished = self._unfinished(ws, step, graphs)
+            if unfinished == 0:
+                break
+            changed = False
+            if unfinished <= ws.bsz // SHRINK and step < max_len:
+                self.stats["shrinks"] += 1
+                ws, sentences = self._shrink(ws, sentences, out, decoder, bucket, width,
+                                             capacity)
+                if ws is None:
+                    break
+                changed = True
+            if step >= capacity:
+                grown = min(2 * capacity, max_len + 1)
+                ws.grow(capacity, grown)
+                capacity, changed = grown, True
+            if not padded:
+                step_fn = self._step_function(model, ws, bucket, capacity, step + 1)
+            elif changed:
+                step_fn = self._step_function(model, ws, bucket, capacity)
+            if step == max_len:
+                step_fn(first=False, last=True)
+            elif graphs:
+                self._replay(ws, step_fn, bucket, capacity)
+            else:
+                step_fn(first=False, last=False)
+        if ws is not None:
+            for i, hypos in zip(sentences, ws.state.hypotheses(self.normalize_scores,
+                                                               self.len_penalty)):
+                out[i] = hypos
+        return out
+
+    def _shrink(self, ws: _Workspace, sentences: List[int], out, decoder, bucket: int,
+                width: int, capacity: int):
+        """fairseq's batch reduction, in powers of two: the finished sentences' hypotheses go to
+        ``out``; the others continue in the workspace of the next power of two at or above their
+        number (filled up with finished copies). Returns (workspace or None, its sentences)."""
+        finished = ws.state.finished.tolist()[:len(sentences)]  # waits for the step in flight
+        keep = [j for j, done in enumerate(finished) if not done]
+        for j, hypos in enumerate(ws.state.hypotheses(self.normalize_scores, self.len_penalty)):
+            if j < len(sentences) and finished[j]:
+                out[sentences[j]] = hypos
+        if not keep:
+            return None, []
+        size = 1 << (len(keep) - 1).bit_length()
+        dummies = size - len(keep)
+        index = torch.tensor(keep + [keep[0]] * dummies, device=ws.step.device)
+        small = self._workspace(decoder, size, ws.beam, bucket, width, ws.dtype,
+                                ws.step.device)
+        small.take_from(ws, index, dummies, bucket, capacity)
+        return small, [sentences[j] for j in keep]
+
+    def _workspace(self, decoder, bsz, beam, bucket, width, dtype, device) -> _Workspace:
+        key = (bsz, beam)
+        ws = self._workspaces.get(key)
+        if ws is None or not ws.fits(bucket, width, dtype) or ws.step.device != device:
+            if ws is not None:  # grow past the largest shape so far
+                bucket = max(bucket, ws.cross.size(1))
+                width = max(width, ws.state.width)
+                self._workspaces.pop(key)
+                del ws
+            ws = _Workspace(self, decoder, bsz, beam, bucket, width, dtype, device)
+            self._workspaces[key] = ws
+        return ws
+
+    def _step_function(self, model, ws: _Workspace, bucket: int, capacity: int,
+                       length: Optional[int] = None):
+        """The decoding step over the workspace's source ``bucket`` and self-attention
+        ``capacity``, attending over its first ``length`` positions (default: all)."""
+        decoder: LSTransformerDecoder = model.decoder
+        cache = ws.cache(capacity, length)
+        incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
+        decoder.set_incremental_state(incremental_state, "self_kv", {"cache": cache})
+        decoder.set_incremental_state(incremental_state, "encoder_kv",
+                                      {"kv": ws.cross[:, :bucket]})
+        encoder_out = {"encoder_out": [ws.cross.new_empty(0)],
+                       "encoder_padding_mask": [ws.cross_mask[:, :bucket]]}
+        temperature = self.temperature
+        state = ws.state
+
+        def step(first: bool, last: bool):
+            logits, _ = decoder(state.last_tokens(), encoder_out, incremental_state,
+                                need_attn=False)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lprobs = model.get_normalized_probs((logits, None), log_probs=True)[:, -1, :]
+            order = state.advance(lprobs, first=first, last=last)
+            cache.reorder(order)
+            cache.advance()
+
+        return step
+
+    def _replay(self, ws: _Workspace, step_fn, bucket: int, capacity: int):
+        self.stats["replays"] += 1
+        key = (bucket, capacity)
+        graph = ws.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        t0 = time.perf_counter()
+        current = torch.cuda.current_stream()
+        warm_up = self._stream is None
+        if warm_up:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
+        stream.wait_stream(current)
+        if warm_up:
+            # the generator's first capture: this step runs eagerly on the capture stream first
+            # (lazy kernel loading, library handles), and its replay is skipped
+            with torch.cuda.stream(stream):
+                step_fn(first=False, last=False)
+        if ws.pool is None:
+            ws.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end, not torch.cuda.graph: that one empties the allocator's cache at
+        # every capture (a later batch would pay cudaMalloc again)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=ws.pool)
+            try:
+                step_fn(first=False, last=False)
+            finally:
+                graph.capture_end()
+        current.wait_stream(stream)
+        ws.graphs[key] = graph
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        if not warm_up:
+            graph.replay()
+
+    def _unfinished(self, ws: _Workspace, step: int, graphs: bool) -> int:
+        """How many of the workspace's sentences were unfinished before ``step``; on a GPU, as of
+        one step earlier (an upper bound: the flag is copied without waiting, and the step in
+        flight is not waited for)."""
+        count = (~ws.state.finished).sum()
+        self.stats["steps"] += 1
+        if not graphs:  # the same schedule, read synchronously
+            previous, ws.previous_count = ws.previous_count, count
+            return ws.bsz if previous is None else int(previous)
+        if ws.done is None:
+            ws.done = torch.zeros(2, dtype=torch.long, pin_memory=True)
+            ws.events = [torch.cuda.Event(), torch.cuda.Event()]
+        slot = step % 2
+        ws.done[slot].copy_(count, non_blocking=True)
+        ws.events[slot].record()
+        ws.done_step[slot] = step
+        if ws.done_step[1 - slot] != step - 1:  # nothing read yet for this workspace
+            return ws.bsz
+        ws.events[1 - slot].synchronize()
+        return int(ws.done[1 - slot])
