@@ -52,7 +52,7 @@ from ls_fairseq import fairseq_patches
 from ls_fairseq.generation import LSSequenceGenerator, generator as generator_module
 from ls_fairseq.generation.beam_search import BeamState
 from ls_fairseq.modules.kv_cache import StaticKVCache
-from test_incremental_decoding import CONFIGS, _assert_same_hypotheses, _sample
+from test_incremental_decoding import CONFIGS, _assert_same_hypotheses, _sample, one_thread  # noqa: F401 (autouse fixture)
 
 ENV = generator_module.ENV
 LOGGER = generator_module.logger.name
@@ -65,15 +65,6 @@ BIAS_UNIT = 5
 MIXED = {"post_ln_shared": 2.5, "pre_ln_t2t": 1.25, "learned_pos": 1.25}
 MIXED_GREEDY = {"post_ln_shared": 3.0, "pre_ln_t2t": 2.5, "learned_pos": 1.75}
 EARLY = {"post_ln_shared": 3.0, "pre_ln_t2t": 2.75, "learned_pos": 2.5}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: one thread is faster than a pool (much faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

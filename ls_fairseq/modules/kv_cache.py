@@ -40,16 +40,17 @@ INITIAL_CAPACITY = 16
 
 
 class LayerKVCache:
-    """One layer's view of a :class:`SelfAttentionKVCache`, handed to that layer's attention."""
+    """One layer's view of a :class:`SelfAttentionKVCache` or :class:`StaticKVCache`, handed to
+    that layer's attention."""
 
     __slots__ = ("cache", "index")
 
-    def __init__(self, cache: "SelfAttentionKVCache", index: int):
+    def __init__(self, cache, index: int):
         self.cache = cache
         self.index = index
 
     def append(self, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
-        """See :meth:`SelfAttentionKVCache.append`."""
+        """See :meth:`SelfAttentionKVCache.append` / :meth:`StaticKVCache.append`."""
         return self.cache.append(self.index, kv, key_padding_mask)
 
 
@@ -208,20 +209,6 @@ class SelfAttentionKVCache:
         return k, v, key_padding_mask
 
 
-class StaticLayerKVCache:
-    """One layer's view of a :class:`StaticKVCache`, handed to that layer's attention."""
-
-    __slots__ = ("cache", "index")
-
-    def __init__(self, cache: "StaticKVCache", index: int):
-        self.cache = cache
-        self.index = index
-
-    def append(self, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
-        """See :meth:`StaticKVCache.append`."""
-        return self.cache.append(self.index, kv)
-
-
 class StaticKVCache:
     """Self-attention keys/values of ``num_layers`` layers in fixed-shape buffers: ``buffer``
     ``[layers, 2, rows, heads, capacity, head_dim]``, ``mask`` ``[rows, capacity]`` (True where a
@@ -241,7 +228,7 @@ class StaticKVCache:
         self.num_layers = buffer.size(0)
         self.rows = buffer.size(2)
         self.capacity = buffer.size(4)
-        self.layers = [StaticLayerKVCache(self, i) for i in range(self.num_layers)]
+        self.layers = [LayerKVCache(self, i) for i in range(self.num_layers)]
 
     def reset(self):
         """Empty: every position masked, step 0."""
@@ -259,9 +246,10 @@ class StaticKVCache:
         self.mask.index_copy_(1, self.step, tokens.eq(padding_idx))
         return self.mask
 
-    def append(self, layer: int, kv: Tensor):
+    def append(self, layer: int, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
         """Writes one step of ``layer``, ``kv`` [rows, 1, 2, H, D], at ``step``; returns ``(k, v,
-        mask)``: keys and values of every position, [rows, H, capacity, D] views, and the mask."""
+        mask)``: keys and values of every position, [rows, H, capacity, D] views, and the mask
+        (this step's padding came through :meth:`begin_step`; ``key_padding_mask`` is unused)."""
         slot = self.buffer[layer]  # [2, R, H, C, D]
         slot.index_copy_(3, self.step, kv.permute(2, 0, 3, 1, 4))
         k, v = slot.unbind(0)
