@@ -31,7 +31,6 @@ or a model other than ls_transformer) fairseq's own ``_generate`` runs, with one
 the option. ``LS_FAIRSEQ_GENERATOR=fairseq`` turns it off; ``=eager`` replays no graphs.
 """
 import logging
-import os
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -42,12 +41,12 @@ from torch import Tensor
 
 from ..models.ls_transformer import LSTransformerDecoder
 from ..modules.kv_cache import StaticKVCache
+from ..ops import _extension
 from .beam_search import BeamState
 
 logger = logging.getLogger(__name__)
 
-ENV = "LS_FAIRSEQ_GENERATOR"
-MODES = ("graphs", "eager", "fairseq")
+ENV = "LS_FAIRSEQ_GENERATOR"  # its values: ops/_extension.py's ENV_VARS
 #: source lengths round up to a multiple of this on a GPU (0: to a power of two, >= 16)
 SOURCE_BUCKET = 0
 INITIAL_CAPACITY = 16
@@ -59,10 +58,7 @@ PAD_EAGER = False
 
 def mode() -> str:
     """``LS_FAIRSEQ_GENERATOR``: ``graphs`` (default; eager on a CPU), ``eager`` or ``fairseq``."""
-    value = os.environ.get(ENV, "graphs").strip().lower() or "graphs"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    return _extension.env_value(ENV)
 
 
 def _source_bucket(n: int) -> int:
