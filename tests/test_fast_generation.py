@@ -346,7 +346,7 @@ def test_batch_reduction(layout, models, dictionary, fixed, monkeypatch):
     _layout(monkeypatch, layout)
     monkeypatch.setattr(generator_module, "SHRINK", 2)
     opts = {"max_len_b": 30}
-    seen = []
+    seen, firsts = [], []
     for case in REDUCTIONS:
         name, beam, bias, seed = case
         ref, ls = models(name, bias)
@@ -369,6 +369,7 @@ def test_batch_reduction(layout, models, dictionary, fixed, monkeypatch):
         assert all(to is None or (to >= kept and to & (to - 1) == 0)
                    for _, to, kept in shrinks), (case, shrinks)
         seen += shrinks
+        firsts.append(shrinks[0][0])
 
         _assert_identical(gen.generate([ls], sample), hyps)
         small = _sample(dictionary, 4, 7, seed + 1)
@@ -377,8 +378,36 @@ def test_batch_reduction(layout, models, dictionary, fixed, monkeypatch):
     # what the cases were chosen for
     assert any(to is not None and to > kept for _, to, kept in seen), seen  # finished copies
     assert any(to == kept for _, to, kept in seen), seen
-    assert any(to is None for _, to, _ in seen), seen
     assert sum(to == 1 for _, to, _ in seen) >= 2, seen
+    if layout == "exact":
+        assert any(to is None for _, to, _ in seen), seen
+    # the first reduction of each case starts from the batch's workspace: 9 sentences, or in
+    # the graphs' layout 16 (9 and 7 finished copies)
+    assert firsts == [9 if layout == "exact" else 16] * len(REDUCTIONS), firsts
+
+
+@pytest.mark.parametrize("sizes", [(5, 3, 9, 12, 5), (1, 2, 7, 8, 17)])
+def test_batch_buckets_and_workspace_eviction(sizes, models, dictionary, fixed, monkeypatch):
+    """The graphs' layout rounds a batch up (5 -> 8, 9 -> 16, 12 -> 16, 17 -> 24, 3 -> 4) with
+    finished copies of its first sentence, and keeps at most MAX_WORKSPACES workspaces (here 2):
+    every batch still matches fairseq, and an evicted shape decodes again as a fresh
+    generator does."""
+    _layout(monkeypatch, "padded")
+    monkeypatch.setattr(generator_module, "MAX_WORKSPACES", 2)
+    ref, ls = models("pre_ln_t2t", MIXED["pre_ln_t2t"])
+    opts = {"max_len_b": 25}
+    gen = LSSequenceGenerator([ls], dictionary, beam_size=3, **opts)
+    for i, bsz in enumerate(sizes):
+        sample = _sample(dictionary, bsz, 9, seed=20 + i)
+        hyps = gen.generate([ls], sample)
+        assert len(hyps) == bsz
+        _assert_same_hypotheses(hyps, SequenceGenerator([ref], dictionary, beam_size=3,
+                                                        **opts).generate([ref], sample))
+        _assert_identical(hyps, LSSequenceGenerator([ls], dictionary, beam_size=3,
+                                                    **opts).generate([ls], sample))
+        bucket = generator_module._batch_bucket(bsz)
+        assert bucket >= bsz and (bucket, 3) in gen._workspaces, (bsz, list(gen._workspaces))
+        assert len(gen._workspaces) <= 2
 
 
 # ------------------------------------------------------------------- fallbacks to fairseq's loop

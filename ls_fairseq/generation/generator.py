@@ -20,7 +20,9 @@ batch is decoded by :meth:`LSSequenceGenerator._generate`:
 4. the hypotheses are read out at the end (and at each shrink), in fairseq's format and order.
 
 Shapes: a workspace per (sentences, beam) holds every buffer, reused by later batches of that
-shape. With graphs, the source length is rounded up to a power of two (>= 16; ``SOURCE_BUCKET``
+shape; with graphs, a batch's sentences round up to a power of two up to 8, then to a multiple of
+8 (the extra sentences repeat the first one and are finished from the start); the least recently used
+workspaces are dropped past ``MAX_WORKSPACES`` or ``WORKSPACE_MEMORY``. With graphs, the source length is rounded up to a power of two (>= 16; ``SOURCE_BUCKET``
 > 0: a multiple of it) and the self-attention capacity is a power of two from
 ``INITIAL_CAPACITY`` up to ``max_len + 1``, with the extra positions masked; one graph per
 (source bucket, capacity) of a workspace.
@@ -32,6 +34,7 @@ the option. ``LS_FAIRSEQ_GENERATOR=fairseq`` turns it off; ``=eager`` replays no
 """
 import logging
 import time
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -54,6 +57,16 @@ INITIAL_CAPACITY = 16
 SHRINK = 8
 #: eager steps with the graphs' padded shapes (tests compare the two bit for bit)
 PAD_EAGER = False
+#: workspaces kept for later batches, at most (see LSSequenceGenerator._workspace)
+MAX_WORKSPACES = 8
+#: and at most this share of the GPU's memory in their buffers
+WORKSPACE_MEMORY = 0.3
+
+
+def _batch_bucket(bsz: int) -> int:
+    """The workspace of a batch of ``bsz`` sentences: a power of two up to 8, then a multiple of
+    8 (batches made by --max-tokens vary in size; fewer shapes, fewer workspaces and graphs)."""
+    return 1 << (bsz - 1).bit_length() if bsz <= 8 else -(-bsz // 8) * 8
 
 
 def mode() -> str:
@@ -96,6 +109,11 @@ class _Workspace:
         self.done_step = [-1, -1]  # the step whose count each slot holds (-1: none this run)
         self.previous_count: Optional[Tensor] = None  # eager: the count read one step late
 
+    def nbytes(self) -> int:
+        tensors = [self.cross, self.cross_mask] + [t for pair in self.kv.values() for t in pair]
+        tensors += [t for t in vars(self.state).values() if isinstance(t, Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def fits(self, src_len: int, width: int, dtype) -> bool:
         return (self.cross.size(1) >= src_len and self.state.width >= width
                 and self.dtype == dtype)
@@ -125,6 +143,12 @@ class _Workspace:
         """A new batch: the sentences' cross-attention keys/values ``kv`` [bsz, S, 2L, H, D]
         (copied to their beams), the source padding, an empty cache and search state."""
         bsz, beam = self.bsz, self.beam
+        real = kv.size(0)  # the rest of the workspace's sentences repeat sentence 0, finished
+        if real < bsz:
+            fill = [0] * (bsz - real)
+            kv = torch.cat([kv, kv[fill]])
+            padding_mask = None if padding_mask is None else torch.cat(
+                [padding_mask, padding_mask[fill]])
         cross = self.cross.view(bsz, beam, *self.cross.shape[1:])
         cross[:, :, :src_len].copy_(kv.unsqueeze(1))
         cross[:, :, src_len:bucket].zero_()
@@ -136,6 +160,8 @@ class _Workspace:
         mask[:, :, src_len:].fill_(True)
         self.step.zero_()
         self.state.reset(bos)
+        if real < bsz:
+            self.state.finished[real:] = True
         self.done_step = [-1, -1]
         self.previous_count = None
 
@@ -161,7 +187,8 @@ class LSSequenceGenerator(SequenceGenerator):
 
     def __init__(self, models, tgt_dict, **kwargs):
         super().__init__(models, tgt_dict, **kwargs)
-        self._workspaces: Dict[Tuple[int, int], _Workspace] = {}
+        # least recently used first; see _workspace for what is kept
+        self._workspaces: "OrderedDict[Tuple[int, int], _Workspace]" = OrderedDict()
         self._told = set()
         self._stream = None  # the capture stream
         #: counts of the fixed-shape path: steps, graph replays, captures (and their host
@@ -236,7 +263,8 @@ class LSSequenceGenerator(SequenceGenerator):
         padded = graphs or PAD_EAGER
         bucket = _source_bucket(src_len) if padded else src_len
         width = max_len + 2
-        ws = self._workspace(decoder, bsz, beam, bucket, width, kv.dtype, src_tokens.device)
+        ws = self._workspace(decoder, _batch_bucket(bsz) if padded else bsz, beam, bucket,
+                             width, kv.dtype, src_tokens.device)
         ws.load(kv, padding, src_len, bucket, bos)
 
         capacity = min(INITIAL_CAPACITY, max_len + 1)
@@ -298,16 +326,25 @@ class LSSequenceGenerator(SequenceGenerator):
         return small, [sentences[j] for j in keep]
 
     def _workspace(self, decoder, bsz, beam, bucket, width, dtype, device) -> _Workspace:
+        """The workspace of (bsz, beam), made or grown to fit. Workspaces stay for later batches
+        (their graphs too), least recently used first out once there are more than
+        ``MAX_WORKSPACES`` or, on a GPU, their buffers pass ``WORKSPACE_MEMORY`` of its memory."""
         key = (bsz, beam)
-        ws = self._workspaces.get(key)
+        ws = self._workspaces.pop(key, None)
         if ws is None or not ws.fits(bucket, width, dtype) or ws.step.device != device:
             if ws is not None:  # grow past the largest shape so far
                 bucket = max(bucket, ws.cross.size(1))
                 width = max(width, ws.state.width)
-                self._workspaces.pop(key)
                 del ws
             ws = _Workspace(self, decoder, bsz, beam, bucket, width, dtype, device)
-            self._workspaces[key] = ws
+        self._workspaces[key] = ws
+        budget = None
+        if device.type == "cuda":
+            budget = WORKSPACE_MEMORY * torch.cuda.get_device_properties(device).total_memory
+        while len(self._workspaces) > 1 and (
+                len(self._workspaces) > MAX_WORKSPACES or budget is not None
+                and sum(w.nbytes() for w in self._workspaces.values()) > budget):
+            self._workspaces.popitem(last=False)
         return ws
 
     def _step_function(self, model, ws: _Workspace, bucket: int, capacity: int,
