@@ -28,7 +28,9 @@ from ls_fairseq.ops import fp8_linear as fp8
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 #: (mantissa bits, smallest normal exponent, max) of each float8 format
 FORMATS = {torch.float8_e4m3fn: (3, -6, E4M3_MAX), torch.float8_e5m2: (2, -14, E5M2_MAX)}
-TINY = [
+#: like ls_fairseq.testing.fairseq_helpers.TINY, but every width a multiple of 16 (what
+#: torch._scaled_mm's FP8 GEMMs take; TINY's odd widths would keep the FP8 path away)
+FP8_TINY = [
     "--encoder-layers", "2", "--decoder-layers", "2",
     "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
     "--encoder-ffn-embed-dim", "48", "--decoder-ffn-embed-dim", "48",
@@ -474,8 +476,8 @@ def dictionary():
 
 
 def test_flag_in_the_parser():
-    assert model_args("ls_transformer", TINY).ls_fp8 is False
-    assert model_args("ls_transformer_wmt_en_de_big_t2t", TINY + ["--ls-fp8"]).ls_fp8 is True
+    assert model_args("ls_transformer", FP8_TINY).ls_fp8 is False
+    assert model_args("ls_transformer_wmt_en_de_big_t2t", FP8_TINY + ["--ls-fp8"]).ls_fp8 is True
 
 
 def _loss(model, sample, pad):
@@ -486,8 +488,8 @@ def _loss(model, sample, pad):
 
 @pytest.mark.parametrize("arch", ["ls_transformer", "ls_transformer_wmt_en_de_big_t2t"])
 def test_model_with_fp8_trains_close_to_without(arch, dictionary, monkeypatch):
-    plain = build_model(arch, dictionary, TINY, seed=1)
-    with_fp8 = build_model(arch, dictionary, TINY + ["--ls-fp8"], seed=1)
+    plain = build_model(arch, dictionary, FP8_TINY, seed=1)
+    with_fp8 = build_model(arch, dictionary, FP8_TINY + ["--ls-fp8"], seed=1)
     assert all(layer.fp8 and layer.self_attn.fp8 for layer in with_fp8.encoder.layers)
     assert all(layer.encoder_attn.fp8 for layer in with_fp8.decoder.layers)
     assert not any(layer.fp8 for layer in plain.decoder.layers)
@@ -523,7 +525,7 @@ def test_model_with_fp8_trains_close_to_without(arch, dictionary, monkeypatch):
 
 def test_a_few_steps_reduce_the_loss(dictionary):
     """Adam on one fixed batch (memorised): fp8 training makes progress."""
-    model = build_model("ls_transformer", dictionary, TINY + ["--ls-fp8"], seed=2)
+    model = build_model("ls_transformer", dictionary, FP8_TINY + ["--ls-fp8"], seed=2)
     model.train()
     sample = random_sample(dictionary, 6, 8, 8, torch.Generator().manual_seed(5))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)

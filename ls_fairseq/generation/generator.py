@@ -162,6 +162,10 @@ class _Workspace:
         self.state.reset(bos)
         if real < bsz:
             self.state.finished[real:] = True
+        self._restart_count()
+
+    def _restart_count(self):
+        """A new run of this workspace: no unfinished count read yet."""
         self.done_step = [-1, -1]
         self.previous_count = None
 
@@ -170,8 +174,7 @@ class _Workspace:
         """Continues ``other``'s decoding of ``sentences`` (see :meth:`BeamState.take_from`)."""
         rows = self.state.take_from(other.state, sentences, dummies)
         self.step.copy_(other.step)
-        self.done_step = [-1, -1]
-        self.previous_count = None
+        self._restart_count()
         kv, mask = self.buffers(capacity)
         other_kv, other_mask = other.buffers(capacity)
         torch.index_select(other_kv, 2, rows, out=kv)

@@ -291,12 +291,12 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                         if len(encoder_out["encoder_padding_mask"]) > 0 else None)
         incremental = incremental_state is not None
         cross_kv = self._cross_kv(enc, incremental_state)
-        self_kv = (self._self_kv_cache(incremental_state).layers if incremental
-                   else [None] * self.num_layers)
+        self_kv = [None] * self.num_layers
 
         positions, max_len = None, None
         if incremental:
             cache = self._self_kv_cache(incremental_state)
+            self_kv = cache.layers
             tokens = prev_output_tokens[:, -1:]
             self_attn_padding_mask = cache.begin_step(tokens, self.padding_idx)
             positions = cache.positions(self.padding_idx)

@@ -95,3 +95,13 @@ def within_reference(name, got, truth, base, eps):
     scale = truth.abs().max().item()
     tol = 2 * err_base + eps * max(scale, 1.0)
     assert err <= tol, f"{name}: max err {err:.3g} > tol {tol:.3g} (reference err {err_base:.3g}, max {scale:.3g})"
+
+
+def opcheck_attention_inputs(device="cuda"):
+    """(q, k, v, key_padding_mask) of the attention ops' opcheck tests: fp16 [2, 3, 5, 16]
+    queries over 9 keys (an odd length), q/k/v requiring grad, ~30% of the keys padded."""
+    h = dict(device=device, dtype=torch.float16)
+    q = torch.randn(2, 3, 5, 16, **h).requires_grad_()
+    k = torch.randn(2, 3, 9, 16, **h).requires_grad_()
+    v = torch.randn(2, 3, 9, 16, **h).requires_grad_()
+    return q, k, v, torch.rand(2, 9, device=device) < 0.3

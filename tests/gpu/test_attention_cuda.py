@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_oracle import attention_with_keep, within_reference
+from kernel_oracle import attention_with_keep, opcheck_attention_inputs, within_reference
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops.attention import _mask, attention, attention_reference
 
@@ -502,10 +502,7 @@ def test_opcheck():
     ac._register()
     ops = torch.ops.ls_fairseq
     h = dict(device=DEV, dtype=torch.float16)
-    q = torch.randn(2, 3, 5, 16, **h).requires_grad_()
-    k = torch.randn(2, 3, 9, 16, **h).requires_grad_()
-    v = torch.randn(2, 3, 9, 16, **h).requires_grad_()
-    kpm = torch.rand(2, 9, device=DEV) < 0.3
+    q, k, v, kpm = opcheck_attention_inputs(DEV)
     torch.library.opcheck(ops.attention_fwd.default, (q, k, v, kpm, True, 0.0, False))
     with torch.no_grad():
         out, probs, rng = ops.attention_fwd(q, k, v, kpm, True, 0.0, False)

@@ -24,7 +24,8 @@ import sys
 import pytest
 import torch
 
-from kernel_oracle import attention_with_keep, philox_keep, within_reference
+from kernel_oracle import (attention_with_keep, opcheck_attention_inputs, philox_keep,
+                           within_reference)
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops.attention import _mask
 
@@ -255,10 +256,7 @@ def test_opcheck():
     ac._register()
     ops = torch.ops.ls_fairseq
     h = dict(device=DEV, dtype=torch.float16)
-    q = torch.randn(2, 3, 5, 16, **h).requires_grad_()
-    k = torch.randn(2, 3, 9, 16, **h).requires_grad_()
-    v = torch.randn(2, 3, 9, 16, **h).requires_grad_()
-    kpm = torch.rand(2, 9, device=DEV) < 0.3
+    q, k, v, kpm = opcheck_attention_inputs(DEV)
     torch.library.opcheck(ops.short_attention_fwd.default, (q, k, v, kpm, True, 0.0, False))
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
