@@ -306,6 +306,9 @@ def run_generate(args, log_path, device="cuda"):
     hyps, refs = quality.parse_generate(proc.stdout)
     if proc.returncode != 0 or summary is None or not hyps:
         run["error"] = f"fairseq-generate exit {proc.returncode} (see {log_path})"
+        # the log may stay on a machine the caller never sees: its last lines go to stdout
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        print(f"{run['error']}; the end of its stderr:\n{tail}", flush=True)
         return run, {}, {}
     run.update(summary)
     return run, hyps, refs

@@ -158,6 +158,10 @@ def test_ops_take_the_reference_path_on_cpu(monkeypatch, mode):
         )
         fp8 = _binding("fp8_linear")
         torch.testing.assert_close(fp8.fp8_linear(x, E, None), fp8.fp8_linear_reference(x, E))
+        qd, kd, rows = torch.randn(3, 2, 8), torch.randn(2, 2, 5, 8), torch.tensor([[0, 1, 1, 0, 1]] * 3)
+        torch.testing.assert_close(ops.decode_attention(qd, kd, kd, rows, rows > 0),
+                                   ops.decode_attention_reference(qd, kd, kd, rows, rows > 0),
+                                   atol=0, rtol=0)
     assert calls == []
 
 
@@ -181,8 +185,8 @@ def test_ops_raise_on_cpu_under_require(monkeypatch):
 # ``supports`` holds, else its reference); ops/_<op>_cuda.py binds the op, registers its fakes
 # once the extension is loaded (_extension.when_loaded) and imports without the extension.
 BINDINGS = ("_adam_cuda", "_attention_cuda", "_bias_act_dropout_cuda", "_bias_dropout_residual_cuda",
-            "_bias_dropout_residual_layer_norm_cuda", "_cross_entropy_cuda", "_embedding_cuda",
-            "_fp8_quantize_cuda", "_layer_norm_cuda")
+            "_bias_dropout_residual_layer_norm_cuda", "_cross_entropy_cuda", "_decode_attention_cuda",
+            "_embedding_cuda", "_fp8_quantize_cuda", "_layer_norm_cuda")
 
 
 def test_when_loaded_runs_each_callback_once_after_a_successful_load(monkeypatch):
@@ -310,6 +314,7 @@ def test_public_ops_dispatch_on_supports(monkeypatch):
     rec("_attention_cuda", "attention_cuda_packed",
         lambda qkv, *a: ops.attention_reference(*qkv.permute(2, 0, 3, 1, 4).unbind(0), *a)[0])
     rec("_adam_cuda", "adam_step_cuda", ops.adam_step_reference)
+    rec("_decode_attention_cuda", "decode_attention_cuda", ops.decode_attention_reference)
 
     def expect(fn, *args, kernel):
         calls.clear()
@@ -351,6 +356,13 @@ def test_public_ops_dispatch_on_supports(monkeypatch):
     qkv = torch.randn(2, 5, 3, 3, 4)
     expect(ops.attention_packed, qkv, kernel="attention_cuda_packed")
     expect(ops.attention_packed, qkv.double(), kernel=None)
+    qd, kd = torch.randn(5, 3, 32).half(), torch.randn(2, 3, 7, 32).half()
+    rows = torch.randint(0, 2, (5, 7))
+    expect(ops.decode_attention, qd, kd, kd, rows, kernel="decode_attention_cuda")
+    expect(ops.decode_attention, qd, kd, kd, rows, rows > 0, kernel="decode_attention_cuda")
+    expect(ops.decode_attention, qd.float(), kd.float(), kd.float(), rows, kernel=None)
+    expect(ops.decode_attention, qd, kd, kd, rows.int(), kernel=None)
+    expect(ops.decode_attention, qd[..., :16], kd[..., :16], kd[..., :16], rows, kernel=None)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.0, step=1)
     expect(lambda: ops.adam_step([x.clone()], [x], [x * 0], [x * 0], **hyper), kernel="adam_step_cuda")
     # the kernel entry points the optimizer and bench use go to the binding
@@ -494,6 +506,11 @@ with FakeTensorMode():
     calls["fp8_quantize"] = (t8.shape, t8.dtype, inv.shape, inv.dtype, t8t.shape, t8t.dtype) == ((37, 32), torch.float8_e5m2, (), torch.float32, (32, 48), torch.float8_e5m2)
     tt = o.fp8_transpose(t8, 16)
     calls["fp8_transpose"] = (tt.shape, tt.dtype) == ((32, 48), torch.float8_e5m2)
+    qd, kd = torch.empty(5, 3, 32, dtype=torch.float16), torch.empty(2, 3, 7, 32, dtype=torch.float16)
+    rows, kpm = torch.empty(5, 7, dtype=torch.long), torch.empty(5, 7, dtype=torch.bool)
+    out = o.decode_attention(qd.transpose(0, 1).contiguous().transpose(0, 1), kd, kd, rows, kpm)
+    out2 = o.decode_attention(qd, kd, kd, rows, None)
+    calls["decode_attention"] = (out.shape, out.dtype, out.stride(), out2.shape) == ((5, 3, 32), torch.float16, (96, 32, 1), (5, 3, 32))
     p, found = torch.empty(7), torch.empty(1, dtype=torch.int32)
     calls["multi_tensor_adam"] = o.multi_tensor_adam([p], [p], [p], [p], [], None, None, None, found, 1e-3, 0.9, 0.98, 1e-8, 0.0, 1e-3, 1.0) is None
     sc = torch.empty(1, 2)

@@ -633,6 +633,7 @@ def _static_cache(layers=2, rows=3, heads=2, capacity=5, dim=4):
     mask = torch.zeros(rows, capacity, dtype=torch.bool)
     cache = StaticKVCache(buffer, mask, torch.zeros(1, dtype=torch.long))
     cache.step.fill_(3)
+    cache.row_table.fill_(0)
     cache.reset()
     return cache
 
@@ -642,6 +643,7 @@ def test_static_cache_steps():
     cache = _static_cache()
     pad = 1
     assert cache.mask.all() and int(cache.step) == 0
+    assert torch.equal(cache.row_table, torch.arange(3).unsqueeze(1).expand(3, 5))
     assert (cache.num_layers, cache.rows, cache.capacity) == (2, 3, 5)
     written = torch.zeros_like(cache.buffer)
     for step in range(3):
@@ -668,22 +670,63 @@ def test_static_cache_steps():
 
 
 def test_static_cache_reorder_and_views():
-    """Rows permuted and duplicated (never dropped); a cache over views of a larger buffer
-    writes into it."""
+    """Rows permuted and duplicated (never dropped): the row table and mask move, the keys/values
+    stay; a cache over views of larger buffers writes into them."""
     g = torch.Generator().manual_seed(1)
     big = torch.randn(2, 2, 4, 2, 8, 3, generator=g)
     big_mask = torch.rand(4, 8, generator=g) < 0.5
-    before, before_mask = big.clone(), big_mask.clone()
-    cache = StaticKVCache(big[:, :, :, :, :5], big_mask[:, :5], torch.tensor([2]))
+    big_table = torch.randint(0, 4, (4, 8), generator=g)
+    before, before_mask, before_table = big.clone(), big_mask.clone(), big_table.clone()
+    cache = StaticKVCache(big[:, :, :, :, :5], big_mask[:, :5], torch.tensor([2]),
+                          big_table[:, :5])
     order = torch.tensor([2, 0, 0, 3])
     cache.reorder(order)
-    assert torch.equal(big[:, :, :, :, :5], before[:, :, :, :, :5].index_select(2, order))
+    assert torch.equal(big, before)  # no key/value moved
     assert torch.equal(big_mask[:, :5], before_mask[:, :5].index_select(0, order))
-    assert torch.equal(big[:, :, :, :, 5:], before[:, :, :, :, 5:])  # outside the view: kept
-    assert torch.equal(big_mask[:, 5:], before_mask[:, 5:])
+    assert torch.equal(big_table[:, :5], before_table[:, :5].index_select(0, order))
+    assert torch.equal(big_mask[:, 5:], before_mask[:, 5:])  # outside the view: kept
+    assert torch.equal(big_table[:, 5:], before_table[:, 5:])
     kv = torch.randn(4, 1, 2, 2, 3, generator=g)
+    cache.begin_step(torch.tensor([[4], [5], [6], [7]]), padding_idx=1)
+    assert torch.equal(big_table[:, 2], torch.arange(4))  # step 2 is written by each row itself
     cache.append(1, kv)
     assert torch.equal(big[1, :, :, :, 2], kv[:, 0].permute(1, 0, 2, 3))
+
+
+def test_static_cache_reads_like_a_reordered_cache():
+    """Steps with beam reorders: keys/values read through the row table equal those of a cache
+    that moves them (fairseq's reorder), and select_from (a shrinking batch) gathers them."""
+    from ls_fairseq.ops.decode_attention import gather_rows
+
+    g = torch.Generator().manual_seed(3)
+    layers, rows, heads, capacity, dim = 2, 6, 2, 7, 3
+    cache = _static_cache(layers, rows, heads, capacity, dim)
+    moved = torch.zeros(layers, 2, rows, heads, capacity, dim)
+    for step in range(5):
+        cache.begin_step(torch.full((rows, 1), 4), padding_idx=1)
+        for layer in range(layers):
+            kv = torch.randn(rows, 1, 2, heads, dim, generator=g)
+            k, v, _ = cache.append(layer, kv)
+            moved[layer, :, :, :, step] = kv[:, 0].permute(1, 0, 2, 3)
+            length = step + 1
+            table = cache.row_table[:, :length]
+            assert torch.equal(gather_rows(k[:, :, :length], table), moved[layer, 0, :, :, :length])
+            assert torch.equal(gather_rows(v[:, :, :length], table), moved[layer, 1, :, :, :length])
+        order = torch.randint(0, rows, (rows,), generator=g)
+        cache.reorder(order)
+        moved = moved.index_select(2, order)
+        cache.advance()
+    keep = torch.tensor([4, 1, 1])
+    small = _static_cache(layers, 3, heads, capacity, dim)
+    small.select_from(cache, keep)
+    assert int(small.step) == 5
+    assert torch.equal(small.buffer[..., :5, :], moved.index_select(2, keep)[..., :5, :])
+    assert torch.equal(small.mask, cache.mask.index_select(0, keep))
+    assert torch.equal(small.row_table, torch.arange(3).unsqueeze(1).expand(3, capacity))
+    with pytest.raises(ValueError, match="select_from"):
+        small.select_from(cache, torch.tensor([0, 1]))  # not one source row per row
+    with pytest.raises(ValueError, match="select_from"):
+        small.select_from(_static_cache(layers, rows, heads, capacity + 1, dim), keep)
 
 
 def test_static_cache_copy_from():
@@ -695,11 +738,14 @@ def test_static_cache_copy_from():
     large = _static_cache(capacity=6)
     large.buffer.copy_(torch.randn(large.buffer.shape, generator=g))
     large.mask.fill_(False)
+    small.row_table.copy_(torch.randint(0, 3, small.row_table.shape, generator=g))
     tail = large.buffer[..., 3:, :].clone()
     large.copy_from(small)
     assert torch.equal(large.buffer[..., :3, :], small.buffer)
     assert torch.equal(large.buffer[..., 3:, :], tail)
     assert torch.equal(large.mask[:, :3], small.mask) and large.mask[:, 3:].all()
+    assert torch.equal(large.row_table[:, :3], small.row_table)
+    assert torch.equal(large.row_table[:, 3:], torch.arange(3).unsqueeze(1).expand(3, 3))
     assert int(large.step) == 2
     with pytest.raises(ValueError, match="copy_from"):
         small.copy_from(large)  # a larger capacity
@@ -718,3 +764,11 @@ def test_static_cache_bad_shapes(buffer_shape, mask_shape):
     with pytest.raises(ValueError, match="StaticKVCache needs"):
         StaticKVCache(torch.zeros(buffer_shape), torch.ones(mask_shape, dtype=torch.bool),
                       torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("table", [torch.zeros(3, 4, dtype=torch.long),  # another capacity
+                                   torch.zeros(3, 5, dtype=torch.int32)])  # not int64
+def test_static_cache_bad_row_table(table):
+    with pytest.raises(ValueError, match="row_table"):
+        StaticKVCache(torch.zeros(2, 2, 3, 2, 5, 4), torch.ones(3, 5, dtype=torch.bool),
+                      torch.zeros(1, dtype=torch.long), table)

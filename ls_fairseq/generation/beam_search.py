@@ -174,35 +174,35 @@ class BeamState:
         eos_scores = self.fin_cumulative.gather(
             1, (self.fin_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         if normalize_scores:
-            # fairseq divides each step's eos scores by one Python float: the same op per length
-            by_length: Dict[int, List[int]] = {}
-            for s, count in enumerate(counts):
-                for j in range(count):
-                    i = s * (beam + 1) + j
-                    by_length.setdefault(lengths[i], []).append(i)
-            for length, idx in by_length.items():
-                index = torch.tensor(idx, device=eos_scores.device)
-                part = eos_scores.index_select(0, index)
-                part /= length ** len_penalty
-                eos_scores.index_copy_(0, index, part)
+            # fairseq divides a step's eos scores by the Python float length ** len_penalty; the
+            # same op (a tensor by a Python float) per length, selected on the device
+            found = {lengths[i] for s, count in enumerate(counts)
+                     for i in range(s * (beam + 1), s * (beam + 1) + count)}
+            for length in sorted(found):
+                eos_scores = torch.where(self.fin_len == length,
+                                         eos_scores / length ** len_penalty, eos_scores)
         positional = self.fin_cumulative.clone()
         positional[:, 1:] = self.fin_cumulative[:, 1:] - self.fin_cumulative[:, :-1]
         tokens = self.fin_tokens.clone()  # the next batch reuses the buffers
         host_scores = eos_scores.tolist()
+        # one C++ call each for the per-slot views (Python slicing of 3 tensors per hypothesis
+        # costs more than the decoding of a short batch)
+        token_rows, positional_rows = tokens.unbind(0), positional.unbind(0)
+        score_items = eos_scores.unbind(0)
         out: List[List[Dict[str, Tensor]]] = []
         for s, count in enumerate(counts):
+            first = s * (beam + 1)
             hypos = []
-            for j in range(count):
-                i = s * (beam + 1) + j
+            for i in range(first, first + count):
                 n = lengths[i]
                 hypos.append({
-                    "tokens": tokens[i, 1:n + 1],
-                    "score": eos_scores[i],
+                    "tokens": token_rows[i][1:n + 1],
+                    "score": score_items[i],
                     "attention": torch.empty(0),
                     "alignment": torch.empty(0),
-                    "positional_scores": positional[i, :n],
+                    "positional_scores": positional_rows[i][:n],
                 })
-            order = torch.sort(torch.tensor([host_scores[s * (beam + 1) + j]
-                                             for j in range(count)]), descending=True)[1]
-            out.append([hypos[k] for k in order])
+            # fairseq's sort (torch.sort of the float scores, descending)
+            order = torch.sort(torch.tensor(host_scores[first:first + count]), descending=True)[1]
+            out.append([hypos[k] for k in order.tolist()])
         return out

@@ -7,13 +7,15 @@ this class (``ls_fairseq.fairseq_patches``, patch 5). It takes fairseq's options
 batch is decoded by :meth:`LSSequenceGenerator._generate`:
 
 1. the encoder runs once; the cross-attention keys/values of every decoder layer come from one
-   GEMM over the sentences (not over beam copies) and are copied into a workspace buffer;
+   GEMM over the sentences and stay stored once per sentence in a workspace buffer (each beam
+   reads its sentence's through ``ops.decode_attention``);
 2. every step runs the same work: the decoder step over a
    :class:`~ls_fairseq.modules.kv_cache.StaticKVCache`, log-softmax, and one
    :class:`~ls_fairseq.generation.beam_search.BeamState` step (top-k, finalisation,
-   reordering). For fp16/bf16 models on a GPU the step has fixed shapes and is captured as a
-   CUDA graph the first time a shape occurs, then replayed; the host reads the number of
-   unfinished sentences one step late, so the GPU never waits for it. Elsewhere (fp32, the CPU,
+   reordering: of the cache's row table, not of its keys/values). For fp16/bf16 models on a
+   GPU the step has fixed shapes and is captured as a CUDA graph the first time a shape occurs,
+   then replayed; the host reads the number of unfinished sentences one step late, so the GPU
+   never waits for it. Elsewhere (fp32, the CPU,
    ``LS_FAIRSEQ_GENERATOR=eager``) the same step runs eagerly over the exact lengths;
 3. once at most ``1/SHRINK`` of a batch's sentences are unfinished, they move to the workspace
    of the next power of two (fairseq drops finished sentences at every step);
@@ -25,7 +27,7 @@ shape; with graphs, a batch's sentences round up to a power of two up to 8, then
 workspaces are dropped past ``MAX_WORKSPACES`` or ``WORKSPACE_MEMORY``. With graphs, the source length is rounded up to a power of two (>= 16; ``SOURCE_BUCKET``
 > 0: a multiple of it) and the self-attention capacity is a power of two from
 ``INITIAL_CAPACITY`` up to ``max_len + 1``, with the extra positions masked; one graph per
-(source bucket, capacity) of a workspace.
+(source bucket, capacity, first step or not) of a workspace.
 
 Where it does not apply (an ensemble, ``--sampling``, ``--diverse-beam-*``, ``--match-source-len``,
 ``--no-repeat-ngram-size``, ``--lm-path``, ``--prefix-size``, ``--constraints``, tokens to suppress,
@@ -82,7 +84,7 @@ def _source_bucket(n: int) -> int:
 
 class _Workspace:
     """Every buffer a decoding step of ``bsz`` sentences x ``beam`` touches, reused by the batches
-    of that shape; the CUDA graphs captured over them, by (source bucket, capacity)."""
+    of that shape; the CUDA graphs captured over them, by (source bucket, capacity, first step)."""
 
     def __init__(self, gen: "LSSequenceGenerator", decoder: LSTransformerDecoder, bsz: int,
                  beam: int, src_len: int, width: int, dtype, device):
@@ -96,13 +98,15 @@ class _Workspace:
                                unk_penalty=gen.unk_penalty)
         self.dtype = dtype
         self.kv_shape = (layers, 2, self.rows, heads, head_dim)
-        # self-attention keys/values per capacity: contiguous [L, 2, R, H, C, D] and [R, C]
-        # (a beam reorder then gathers whole contiguous blocks); made when first needed
-        self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
-        self.cross = torch.zeros(self.rows, src_len, 2 * layers, heads, head_dim, dtype=dtype,
+        # self-attention keys/values per capacity: [L, 2, R, H, C, D], the mask and row table
+        # [R, C] (StaticKVCache); made when first needed
+        self.kv: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
+        # cross-attention keys/values once per sentence; each row reads its sentence's
+        self.cross = torch.zeros(bsz, src_len, 2 * layers, heads, head_dim, dtype=dtype,
                                  device=device)
+        self.cross_rows = torch.arange(self.rows, device=device) // beam
         self.cross_mask = torch.ones(self.rows, src_len, dtype=torch.bool, device=device)
-        self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: Dict[Tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.done: Optional[Tensor] = None  # pinned host counts, one per step parity
         self.events = [None, None]
@@ -110,7 +114,8 @@ class _Workspace:
         self.previous_count: Optional[Tensor] = None  # eager: the count read one step late
 
     def nbytes(self) -> int:
-        tensors = [self.cross, self.cross_mask] + [t for pair in self.kv.values() for t in pair]
+        tensors = [self.cross, self.cross_rows, self.cross_mask]
+        tensors += [t for group in self.kv.values() for t in group]
         tensors += [t for t in vars(self.state).values() if isinstance(t, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -118,21 +123,25 @@ class _Workspace:
         return (self.cross.size(1) >= src_len and self.state.width >= width
                 and self.dtype == dtype)
 
-    def buffers(self, capacity: int) -> Tuple[Tensor, Tensor]:
-        """The keys/values and mask buffers of ``capacity`` positions."""
+    def buffers(self, capacity: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """The keys/values, mask and row table buffers of ``capacity`` positions."""
         if capacity not in self.kv:
             layers, two, rows, heads, head_dim = self.kv_shape
+            device = self.step.device
+            table = torch.empty(rows, capacity, dtype=torch.long, device=device)
+            table.copy_(torch.arange(rows, device=device).unsqueeze(1))
             self.kv[capacity] = (
                 torch.zeros(layers, two, rows, heads, capacity, head_dim, dtype=self.dtype,
-                            device=self.step.device),
-                torch.ones(rows, capacity, dtype=torch.bool, device=self.step.device))
+                            device=device),
+                torch.ones(rows, capacity, dtype=torch.bool, device=device), table)
         return self.kv[capacity]
 
     def cache(self, capacity: int, length: Optional[int] = None) -> StaticKVCache:
         """The cache over the first ``length`` (default: all) positions of ``capacity``."""
-        kv, mask = self.buffers(capacity)
+        kv, mask, table = self.buffers(capacity)
         length = capacity if length is None else length
-        return StaticKVCache(kv[:, :, :, :, :length], mask[:, :length], self.step)
+        return StaticKVCache(kv[:, :, :, :, :length], mask[:, :length], self.step,
+                             table[:, :length])
 
     def grow(self, capacity: int, new_capacity: int):
         """The positions so far move to the buffers of ``new_capacity``."""
@@ -140,8 +149,8 @@ class _Workspace:
 
     def load(self, kv: Tensor, padding_mask: Optional[Tensor], src_len: int, bucket: int,
              bos: int):
-        """A new batch: the sentences' cross-attention keys/values ``kv`` [bsz, S, 2L, H, D]
-        (copied to their beams), the source padding, an empty cache and search state."""
+        """A new batch: the sentences' cross-attention keys/values ``kv`` [bsz, S, 2L, H, D],
+        the source padding (copied to the beams), an empty cache and search state."""
         bsz, beam = self.bsz, self.beam
         real = kv.size(0)  # the rest of the workspace's sentences repeat sentence 0, finished
         if real < bsz:
@@ -149,9 +158,8 @@ class _Workspace:
             kv = torch.cat([kv, kv[fill]])
             padding_mask = None if padding_mask is None else torch.cat(
                 [padding_mask, padding_mask[fill]])
-        cross = self.cross.view(bsz, beam, *self.cross.shape[1:])
-        cross[:, :, :src_len].copy_(kv.unsqueeze(1))
-        cross[:, :, src_len:bucket].zero_()
+        self.cross[:, :src_len].copy_(kv)
+        self.cross[:, src_len:bucket].zero_()
         mask = self.cross_mask.view(bsz, beam, -1)
         if padding_mask is None:
             mask[:, :, :src_len].fill_(False)
@@ -173,13 +181,9 @@ class _Workspace:
                   capacity: int):
         """Continues ``other``'s decoding of ``sentences`` (see :meth:`BeamState.take_from`)."""
         rows = self.state.take_from(other.state, sentences, dummies)
-        self.step.copy_(other.step)
         self._restart_count()
-        kv, mask = self.buffers(capacity)
-        other_kv, other_mask = other.buffers(capacity)
-        torch.index_select(other_kv, 2, rows, out=kv)
-        torch.index_select(other_mask, 0, rows, out=mask)
-        self.cross[:, :bucket].copy_(other.cross[:, :bucket].index_select(0, rows))
+        self.cache(capacity).select_from(other.cache(capacity), rows)
+        self.cross[:, :bucket].copy_(other.cross[:, :bucket].index_select(0, sentences))
         self.cross_mask.fill_(True)
         self.cross_mask[:, :bucket].copy_(other.cross_mask[:, :bucket].index_select(0, rows))
 
@@ -273,7 +277,10 @@ class LSSequenceGenerator(SequenceGenerator):
         capacity = min(INITIAL_CAPACITY, max_len + 1)
         ws.cache(capacity).reset()
         step_fn = self._step_function(model, ws, bucket, capacity, None if padded else 1)
-        step_fn(first=True, last=max_len == 0)
+        if graphs and max_len > 0:
+            self._replay(ws, step_fn, bucket, capacity, first=True)
+        else:
+            step_fn(first=True, last=max_len == 0)
         sentences = list(range(bsz))  # the original index of each of ws's sentences
         out: List[Optional[List[Dict[str, Tensor]]]] = [None] * bsz
         for step in range(1, max_len + 1):
@@ -359,7 +366,7 @@ class LSSequenceGenerator(SequenceGenerator):
         incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
         decoder.set_incremental_state(incremental_state, "self_kv", {"cache": cache})
         decoder.set_incremental_state(incremental_state, "encoder_kv",
-                                      {"kv": ws.cross[:, :bucket]})
+                                      {"kv": ws.cross[:, :bucket], "rows": ws.cross_rows})
         encoder_out = {"encoder_out": [ws.cross.new_empty(0)],
                        "encoder_padding_mask": [ws.cross_mask[:, :bucket]]}
         temperature = self.temperature
@@ -377,9 +384,11 @@ class LSSequenceGenerator(SequenceGenerator):
 
         return step
 
-    def _replay(self, ws: _Workspace, step_fn, bucket: int, capacity: int):
+    def _replay(self, ws: _Workspace, step_fn, bucket: int, capacity: int, first: bool = False):
+        """Runs the step (``first``: step 0's) as the workspace's graph of this shape, captured
+        the first time."""
         self.stats["replays"] += 1
-        key = (bucket, capacity)
+        key = (bucket, capacity, first)
         graph = ws.graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -395,7 +404,7 @@ class LSSequenceGenerator(SequenceGenerator):
             # the generator's first capture: this step runs eagerly on the capture stream first
             # (lazy kernel loading, library handles), and its replay is skipped
             with torch.cuda.stream(stream):
-                step_fn(first=False, last=False)
+                step_fn(first=first, last=False)
         if ws.pool is None:
             ws.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -404,7 +413,7 @@ class LSSequenceGenerator(SequenceGenerator):
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=ws.pool)
             try:
-                step_fn(first=False, last=False)
+                step_fn(first=first, last=False)
             finally:
                 graph.capture_end()
         current.wait_stream(stream)

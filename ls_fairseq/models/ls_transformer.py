@@ -246,16 +246,17 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         return x, extra
 
     def _cross_kv(self, encoder_out: Tensor, incremental_state):
-        """Per-layer cross-attention (k, v); computed once per sentence when decoding."""
+        """Per-layer cross-attention (k, v), and the row -> sentence index when they are stored
+        once per sentence (else None); computed once per sentence when decoding."""
         attns = [layer.encoder_attn for layer in self.layers]
         if incremental_state is not None:
             cached = self.get_incremental_state(incremental_state, "encoder_kv")
             if cached is not None:
-                return self.encoder_kv.split(cached["kv"])
+                return self.encoder_kv.split(cached["kv"]), cached.get("rows")
         kv = self.encoder_kv.project(encoder_out.transpose(0, 1), attns)
         if incremental_state is not None:
             self.set_incremental_state(incremental_state, "encoder_kv", {"kv": kv})
-        return self.encoder_kv.split(kv)
+        return self.encoder_kv.split(kv), None
 
     def _self_kv_cache(self, incremental_state) -> SelfAttentionKVCache:
         """The self-attention keys/values of all layers, one buffer for the decoding run."""
@@ -290,7 +291,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         padding_mask = (encoder_out["encoder_padding_mask"][0]
                         if len(encoder_out["encoder_padding_mask"]) > 0 else None)
         incremental = incremental_state is not None
-        cross_kv = self._cross_kv(enc, incremental_state)
+        cross_kv, cross_rows = self._cross_kv(enc, incremental_state)
         self_kv = [None] * self.num_layers
 
         positions, max_len = None, None
@@ -317,6 +318,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 x, cross_kv[idx], padding_mask, self_attn_padding_mask, incremental_state,
                 need_attn=(idx == need_attn_layer), causal=not full_context_alignment,
                 normed=normed, next_norm=next_norm, self_attn_cache=self_kv[idx],
+                encoder_rows=cross_rows,
             )
             x, normed = out if next_norm is not None else (out, None)
             inner_states.append(x.transpose(0, 1))
@@ -343,8 +345,12 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         cached = self.get_incremental_state(incremental_state, "encoder_kv")
         # Beams of one sentence share identical encoder keys/values, so a reorder that keeps the
         # batch size only permutes identical rows: skip the copy, as fairseq's MultiheadAttention
-        # does for static keys. A shrinking batch (finished sentences) is gathered.
-        if cached is not None and cached["kv"].size(0) != new_order.size(0):
+        # does for static keys. A shrinking batch (finished sentences) is gathered. Keys/values
+        # stored once per sentence ("rows": each row's sentence) stay; the index is reordered.
+        if cached is not None and cached.get("rows") is not None:
+            cached["rows"] = cached["rows"].index_select(0, new_order)
+            self.set_incremental_state(incremental_state, "encoder_kv", cached)
+        elif cached is not None and cached["kv"].size(0) != new_order.size(0):
             cached["kv"] = cached["kv"].index_select(0, new_order)
             self.set_incremental_state(incremental_state, "encoder_kv", cached)
 

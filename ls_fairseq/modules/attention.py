@@ -6,7 +6,9 @@ how it is batched: the three self-attention projections run as one GEMM, and the
 keys/values of all decoder layers come precomputed from :class:`LayerBatchedEncoderKV`.
 
 When decoding, the self-attention keys/values of earlier steps live in a preallocated, growable
-cache (:mod:`.kv_cache`), written in place at each step.
+cache (:mod:`.kv_cache`), written in place at each step. A fixed-shape cache (``StaticKVCache``)
+and cross-attention keys/values stored once per sentence are read through a row table
+(``ops.decode_attention``): beam search then moves no keys/values.
 
 Both modules return the output projection *without its bias*: the layer fuses
 ``bias + dropout + residual`` in one op. Under ``--ls-fp8`` their projections run as FP8 matmuls
@@ -21,6 +23,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from .. import ops
+from ..ops.decode_attention import gather_rows
 from .kv_cache import LayerKVCache, SelfAttentionKVCache
 from .sublayers import linear_of
 
@@ -45,6 +48,18 @@ def _check_heads(embed_dim: int, num_heads: int):
             f"attention embed dim {embed_dim} is not divisible by the number of heads {num_heads} "
             "(--encoder/decoder-attention-heads)"
         )
+
+
+def _through_table(q: Tensor, k: Tensor, v: Tensor, table: Tensor,
+                   key_padding_mask: Optional[Tensor], need_weights: bool):
+    """One decoding query per row, q [B, H, 1, D], over keys/values k/v [N, H, T, D] that row
+    ``b`` finds at ``table[b, t]`` ([B, T]) -> (ctx [B, H, 1, D], probs or None)."""
+    if q.size(2) != 1:
+        raise ValueError(f"attention through a row table takes one query per row, got {q.size(2)}")
+    if need_weights:  # attention weights: the gathered keys/values through ops.attention
+        k, v = gather_rows(k, table), gather_rows(v, table)
+        return ops.attention(q, k, v, key_padding_mask, need_weights=True)
+    return ops.decode_attention(q.squeeze(2), k, v, table, key_padding_mask).unsqueeze(2), None
 
 
 def _merge_heads(ctx: Tensor) -> Tensor:
@@ -108,6 +123,10 @@ class SelfAttention(_Attention):
             if kv_cache is None:
                 kv_cache = self._own_kv_cache(incremental_state)
             k, v, key_padding_mask = kv_cache.append(qkv[:, :, 1:], key_padding_mask)
+            table = kv_cache.row_table
+            if table is not None:  # one query per row over a fixed-shape cache
+                ctx, probs = _through_table(q, k, v, table, key_padding_mask, need_weights)
+                return linear(_merge_heads(ctx), self.out_proj.weight), probs
         ctx, probs = ops.attention(
             q, k, v, key_padding_mask, causal=causal, dropout_p=self.dropout,
             training=self.training, need_weights=need_weights,
@@ -144,12 +163,19 @@ class CrossAttention(_Attention):
         super().__init__(embed_dim, num_heads, kdim, vdim, dropout, fp8)
 
     def forward(self, x: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
-                need_weights: bool = False):
-        """x [B, T, C], k/v [B, H, S, D] -> (out_proj(ctx) without bias, probs or None)."""
+                need_weights: bool = False, rows: Optional[Tensor] = None):
+        """x [B, T, C], k/v [B, H, S, D] -> (out_proj(ctx) without bias, probs or None).
+
+        With ``rows`` [B] (decoding, one query per row), k/v are [N, H, S, D], stored once per
+        sentence: row ``b`` attends over ``k[rows[b]]``, ``v[rows[b]]``."""
         bsz, tgt_len, _ = x.shape
         linear = linear_of(self)
         q = linear(x, self.q_proj.weight, self.q_proj.bias)
         q = q.view(bsz, tgt_len, self.num_heads, self.head_dim).transpose(1, 2)
+        if rows is not None:
+            table = rows.unsqueeze(1).expand(bsz, k.size(2))
+            ctx, probs = _through_table(q, k, v, table, key_padding_mask, need_weights)
+            return linear(_merge_heads(ctx), self.out_proj.weight), probs
         ctx, probs = ops.attention(
             q, k, v, key_padding_mask, causal=False, dropout_p=self.dropout,
             training=self.training, need_weights=need_weights,

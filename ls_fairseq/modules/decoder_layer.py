@@ -51,13 +51,16 @@ class TransformerDecoderLayer(nn.Module):
         normed: Optional[Tensor] = None,
         next_norm: Optional[nn.Module] = None,
         self_attn_cache: Optional[LayerKVCache] = None,
+        encoder_rows: Optional[Tensor] = None,
     ):
         """x [B, T, C]; encoder_kv = (k, v) [B, H, S, D] -> (x, cross-attention probs or None).
 
         Pre-LN only: ``normed`` is ``self_attn_layer_norm(x)`` when the previous layer computed it;
         with ``next_norm`` the first output is ``(x, next_norm(x))`` (see ``next_norms``).
         ``self_attn_cache``: when decoding, this layer's slot of the decoder's self-attention
-        key/value cache (``SelfAttention.forward``'s ``kv_cache``).
+        key/value cache (``SelfAttention.forward``'s ``kv_cache``). ``encoder_rows``: when
+        decoding with ``encoder_kv`` stored once per sentence, the sentence of each row
+        (``CrossAttention.forward``'s ``rows``).
         """
         k, v = encoder_kv
         if self.normalize_before:
@@ -66,7 +69,8 @@ class TransformerDecoderLayer(nn.Module):
                                   incremental_state=incremental_state, kv_cache=self_attn_cache)
             x, h = sublayer_output(y, self.self_attn.out_proj.bias, residual, self.dropout,
                                    self.training, self.encoder_attn_layer_norm)
-            y, attn = self.encoder_attn(h, k, v, encoder_padding_mask, need_weights=need_attn)
+            y, attn = self.encoder_attn(h, k, v, encoder_padding_mask, need_weights=need_attn,
+                                         rows=encoder_rows)
             x, h = sublayer_output(y, self.encoder_attn.out_proj.bias, x, self.dropout,
                                    self.training, self.final_layer_norm)
             return feed_forward(self, h, x, next_norm), attn
@@ -76,7 +80,8 @@ class TransformerDecoderLayer(nn.Module):
                               incremental_state=incremental_state, kv_cache=self_attn_cache)
         x = self.self_attn_layer_norm(ops.bias_dropout_residual(
             y, self.self_attn.out_proj.bias, x, self.dropout, self.training))
-        y, attn = self.encoder_attn(x, k, v, encoder_padding_mask, need_weights=need_attn)
+        y, attn = self.encoder_attn(x, k, v, encoder_padding_mask, need_weights=need_attn,
+                                     rows=encoder_rows)
         x = self.encoder_attn_layer_norm(ops.bias_dropout_residual(
             y, self.encoder_attn.out_proj.bias, x, self.dropout, self.training))
         return self.final_layer_norm(feed_forward(self, x, x)), attn

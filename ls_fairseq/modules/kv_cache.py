@@ -28,7 +28,9 @@ generators and models in one process are independent.
 :class:`StaticKVCache` is the fixed-shape variant for a decoder step captured as a CUDA graph
 (``ls_fairseq.generation``): a fixed capacity, the step to write held in a device tensor, and
 attention over every position with the unwritten ones masked, so no shape or host value changes
-from one step to the next.
+from one step to the next. Its beam reorder moves no keys/values: each position stays in the row
+that wrote it, and a row table (``[rows, capacity]``) says, for every row and position, which
+buffer row holds it (``ops.decode_attention`` reads through it).
 """
 from typing import List, Optional, Tuple
 
@@ -53,11 +55,20 @@ class LayerKVCache:
         """See :meth:`SelfAttentionKVCache.append` / :meth:`StaticKVCache.append`."""
         return self.cache.append(self.index, kv, key_padding_mask)
 
+    @property
+    def row_table(self) -> Optional[Tensor]:
+        """Where each row's keys/values are (:attr:`StaticKVCache.row_table`); None: in the row
+        itself."""
+        return self.cache.row_table
+
 
 class SelfAttentionKVCache:
     """Self-attention keys/values (and key padding masks) of ``num_layers`` layers for one
     incremental decoding run. Allocated at the first :meth:`append`, from its keys/values'
     shape, dtype and device; ``capacity``: the positions allocated then (``INITIAL_CAPACITY``)."""
+
+    #: keys/values stay in their rows (a reorder gathers them)
+    row_table = None
 
     def __init__(self, num_layers: int, capacity: Optional[int] = None):
         capacity = INITIAL_CAPACITY if capacity is None else capacity
@@ -212,27 +223,46 @@ class SelfAttentionKVCache:
 class StaticKVCache:
     """Self-attention keys/values of ``num_layers`` layers in fixed-shape buffers: ``buffer``
     ``[layers, 2, rows, heads, capacity, head_dim]``, ``mask`` ``[rows, capacity]`` (True where a
-    position is padding or not written yet) and ``step``, a one-element device tensor: the position
-    the next decoding step writes. Every method keeps shapes and reads nothing back to the host, so
-    a decoding step that uses it can be captured once and replayed for every step below
-    ``capacity``. ``buffer`` and ``mask`` may be views of larger tensors (a workspace reused
-    across batches)."""
+    position is padding or not written yet), ``row_table`` ``[rows, capacity]`` int64 (row ``r``'s
+    keys/values at position ``t`` are in buffer row ``row_table[r, t]``) and ``step``, a
+    one-element device tensor: the position the next decoding step writes.
 
-    def __init__(self, buffer: Tensor, mask: Tensor, step: Tensor):
+    A step writes row ``r``'s keys/values at ``(r, step)`` and never moves them: beam search's
+    reorder permutes the rows of ``row_table`` and ``mask`` only ([rows, capacity] integers instead
+    of every layer's keys/values). Every method keeps shapes and reads nothing back to the host, so
+    a decoding step that uses it can be captured once and replayed for every step below
+    ``capacity``. ``buffer``, ``mask`` and ``row_table`` may be views of larger tensors (a
+    workspace reused across batches); without ``row_table`` the cache makes its own."""
+
+    def __init__(self, buffer: Tensor, mask: Tensor, step: Tensor,
+                 row_table: Optional[Tensor] = None):
         if buffer.dim() != 6 or buffer.size(1) != 2 or mask.shape != (buffer.size(2), buffer.size(4)):
             raise ValueError(f"StaticKVCache needs buffer [L, 2, R, H, C, D] and mask [R, C], got "
                              f"{tuple(buffer.shape)} and {tuple(mask.shape)}")
+        if row_table is None:
+            row_table = torch.empty(mask.shape, dtype=torch.long, device=mask.device)
+            row_table.copy_(torch.arange(mask.size(0), device=mask.device).unsqueeze(1))
+        elif row_table.shape != mask.shape or row_table.dtype != torch.long:
+            raise ValueError(f"StaticKVCache needs row_table [R, C] = {tuple(mask.shape)} int64, "
+                             f"got {tuple(row_table.shape)} {row_table.dtype}")
         self.buffer = buffer
         self.mask = mask
+        self.row_table = row_table
         self.step = step
         self.num_layers = buffer.size(0)
         self.rows = buffer.size(2)
         self.capacity = buffer.size(4)
         self.layers = [LayerKVCache(self, i) for i in range(self.num_layers)]
 
+    def _row_ids(self) -> Tensor:
+        """[R, 1]: each row's own index. Made by the call that uses it: a CUDA graph captured
+        over a method must not read a tensor that this (short-lived) object owns."""
+        return torch.arange(self.rows, device=self.mask.device).unsqueeze(1)
+
     def reset(self):
-        """Empty: every position masked, step 0."""
+        """Empty: every position masked and in its own row, step 0."""
         self.mask.fill_(True)
+        self.row_table.copy_(self._row_ids().expand_as(self.row_table))
         self.step.zero_()
 
     def positions(self, padding_idx: int) -> Tensor:
@@ -241,23 +271,27 @@ class StaticKVCache:
         return (self.step + (padding_idx + 1)).repeat(self.rows).view(self.rows, 1)
 
     def begin_step(self, tokens: Tensor, padding_idx: int) -> Tensor:
-        """Records which of this step's tokens (``[rows, 1]``) are padding; returns the mask every
-        layer attends with, ``[rows, capacity]``."""
+        """Records which of this step's tokens (``[rows, 1]``) are padding, and that each row
+        writes its own keys/values at ``step``; returns the mask every layer attends with,
+        ``[rows, capacity]``."""
         self.mask.index_copy_(1, self.step, tokens.eq(padding_idx))
+        self.row_table.index_copy_(1, self.step, self._row_ids())
         return self.mask
 
     def append(self, layer: int, kv: Tensor, key_padding_mask: Optional[Tensor] = None):
         """Writes one step of ``layer``, ``kv`` [rows, 1, 2, H, D], at ``step``; returns ``(k, v,
-        mask)``: keys and values of every position, [rows, H, capacity, D] views, and the mask
-        (this step's padding came through :meth:`begin_step`; ``key_padding_mask`` is unused)."""
+        mask)``: keys and values of every position, [rows, H, capacity, D] views of the buffer to
+        read through :attr:`row_table`, and the mask (this step's padding came through
+        :meth:`begin_step`; ``key_padding_mask`` is unused)."""
         slot = self.buffer[layer]  # [2, R, H, C, D]
         slot.index_copy_(3, self.step, kv.permute(2, 0, 3, 1, 4))
         k, v = slot.unbind(0)
         return k, v, self.mask
 
     def reorder(self, new_order: Tensor):
-        """Row ``i`` becomes row ``new_order[i]`` (``rows`` entries: the batch never shrinks)."""
-        self.buffer.copy_(self.buffer.index_select(2, new_order))
+        """Row ``i`` becomes row ``new_order[i]`` (``rows`` entries: the batch never shrinks): its
+        table and mask rows; the keys/values stay where they are."""
+        self.row_table.copy_(self.row_table.index_select(0, new_order))
         self.mask.copy_(self.mask.index_select(0, new_order))
 
     def advance(self):
@@ -268,7 +302,25 @@ class StaticKVCache:
         if other.capacity > self.capacity or other.rows != self.rows:
             raise ValueError("StaticKVCache.copy_from needs a cache of the same rows and no larger "
                              "capacity")
-        self.buffer[:, :, :, :, :other.capacity].copy_(other.buffer)
-        self.mask[:, :other.capacity].copy_(other.mask)
-        self.mask[:, other.capacity:].fill_(True)
+        c = other.capacity
+        self.buffer[:, :, :, :, :c].copy_(other.buffer)
+        self.mask[:, :c].copy_(other.mask)
+        self.mask[:, c:].fill_(True)
+        self.row_table[:, :c].copy_(other.row_table)
+        self.row_table[:, c:].copy_(self._row_ids().expand(-1, self.capacity - c))
+        self.step.copy_(other.step)
+
+    def select_from(self, other: "StaticKVCache", order: Tensor):
+        """Row ``i`` continues ``other``'s row ``order[i]`` (a batch that shrank: ``other`` has
+        more rows, the same capacity): its keys/values are gathered through ``other``'s table
+        into row ``i``, whose table is then its own row again."""
+        if other.capacity != self.capacity or order.shape != (self.rows,):
+            raise ValueError("StaticKVCache.select_from needs a cache of the same capacity and "
+                             "one row of it per row")
+        sources = other.row_table.index_select(0, order)  # [R, C]
+        positions = torch.arange(self.capacity, device=order.device)
+        # advanced indices on dims 2 and 4 come first: [R, C, L, 2, H, D]
+        self.buffer.copy_(other.buffer[:, :, sources, :, positions].permute(2, 3, 0, 4, 1, 5))
+        self.mask.copy_(other.mask.index_select(0, order))
+        self.row_table.copy_(self._row_ids().expand_as(self.row_table))
         self.step.copy_(other.step)

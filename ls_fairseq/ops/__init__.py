@@ -20,6 +20,7 @@ from .cross_entropy import (
     label_smoothed_cross_entropy_rows,
     label_smoothed_cross_entropy_rows_reference,
 )
+from .decode_attention import decode_attention, decode_attention_reference
 from .embedding import transformer_embedding, transformer_embedding_reference
 from .layer_norm import (
     layer_norm,
@@ -40,6 +41,8 @@ __all__ = [
     "bias_dropout_residual_reference",
     "bias_dropout_residual_layer_norm",
     "bias_dropout_residual_layer_norm_reference",
+    "decode_attention",
+    "decode_attention_reference",
     "label_smoothed_cross_entropy",
     "label_smoothed_cross_entropy_reference",
     "label_smoothed_cross_entropy_rows",
@@ -60,6 +63,7 @@ BINDINGS = (
     "_bias_dropout_residual_cuda",
     "_bias_dropout_residual_layer_norm_cuda",
     "_cross_entropy_cuda",
+    "_decode_attention_cuda",
     "_embedding_cuda",
     "_fp8_quantize_cuda",
     "_layer_norm_cuda",

@@ -6,15 +6,17 @@
   batch (more capacity, new graphs) and batches that shrink (fairseq's batch reduction, in powers
   of two; ``SHRINK`` 2 here so that it happens often);
 * fp32 (no graphs: exact lengths) against fairseq's SequenceGenerator running fairseq's
-  transformer with the same weights: identical tokens, scores within 2e-3 relative. The two
-  models' fp32 kernels differ (ls_fairseq's attention and fused sublayer kernels against
-  fairseq's modules): a hypothesis score, a sum of ~40 log-probabilities, was seen 7e-4 apart on
-  an H200 with the tokens identical (CPU: 1e-5, tests/test_fast_generation.py);
+  transformer with the same weights: identical tokens, scores within 1e-4 relative (the two
+  models' fp32 kernels differ: ls_fairseq's fused sublayer kernels against fairseq's modules;
+  CPU: 1e-5, tests/test_fast_generation.py). Each low-precision test casts a copy of the models:
+  casting the shared fixture in place and back rounded its weights for the tests after it;
 * fp16 against fairseq: >= 90% identical best hypotheses (the two round at different points, and
   the graphs attend over padded shapes: near-ties flip), every hypothesis ends in eos, none longer
   than max_len + 1;
 * the graph path captured graphs and replayed them (counts, not timings).
 """
+import copy
+
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
@@ -67,15 +69,12 @@ def _flat(results):
 def test_graphs_equal_eager(setup, dtype, beam, monkeypatch):
     d, _, ls = setup
     monkeypatch.setattr(fast, "SHRINK", 2)
-    model = ls.to(dtype)
+    model = copy.deepcopy(ls).to(dtype)  # the fixture's fp32 weights stay unrounded
     batches = _batches(d, [(8, 13), (8, 11), (33, 14), (8, 29), (3, 7)], seed=beam)
-    try:
-        gen, graphed = _run(LSSequenceGenerator, model, d, batches, beam, max_len_b=40)
-        monkeypatch.setenv(fast.ENV, "eager")
-        monkeypatch.setattr(fast, "PAD_EAGER", True)
-        eager_gen, eager = _run(LSSequenceGenerator, model, d, batches, beam, max_len_b=40)
-    finally:
-        ls.float()
+    gen, graphed = _run(LSSequenceGenerator, model, d, batches, beam, max_len_b=40)
+    monkeypatch.setenv(fast.ENV, "eager")
+    monkeypatch.setattr(fast, "PAD_EAGER", True)
+    eager_gen, eager = _run(LSSequenceGenerator, model, d, batches, beam, max_len_b=40)
     a, b = _flat(graphed), _flat(eager)
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
@@ -95,22 +94,23 @@ def test_fp32_matches_fairseq(setup):
     gen, ours = _run(LSSequenceGenerator, ls, d, batches, 5, max_len_b=40)
     _, theirs = _run(SequenceGenerator, ref, d, batches, 5, max_len_b=40)
     assert gen.stats["steps"] > 0 and gen.stats["captures"] == 0  # fp32: eager, exact shapes
+    worst = 0.0
     for x, y in zip(ours, theirs):
         for s1, s2 in zip(x, y):
             assert len(s1) == len(s2)
             for h1, h2 in zip(s1, s2):
                 assert torch.equal(h1["tokens"], h2["tokens"])
-                assert abs(float(h1["score"]) - float(h2["score"])) <= 2e-3 * abs(float(h2["score"]))
+                a, b = float(h1["score"]), float(h2["score"])
+                worst = max(worst, abs(a - b) / abs(b))
+    print(f"fp32: largest relative score difference {worst:.2e}")
+    assert worst <= 1e-4
 
 
 def test_fp16_matches_fairseq(setup):
     d, ref, ls = setup
     batches = _batches(d, [(16, 13), (16, 24), (7, 9)], seed=5)
-    try:
-        _, ours = _run(LSSequenceGenerator, ls.half(), d, batches, 4, max_len_b=30)
-        _, theirs = _run(SequenceGenerator, ref.half(), d, batches, 4, max_len_b=30)
-    finally:
-        ls.float(), ref.float()
+    _, ours = _run(LSSequenceGenerator, copy.deepcopy(ls).half(), d, batches, 4, max_len_b=30)
+    _, theirs = _run(SequenceGenerator, copy.deepcopy(ref).half(), d, batches, 4, max_len_b=30)
     best = [(x[0]["tokens"], y[0]["tokens"]) for r1, r2 in zip(ours, theirs)
             for x, y in zip(r1, r2)]
     same = sum(torch.equal(a, b) for a, b in best)
