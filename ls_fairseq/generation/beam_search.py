@@ -189,6 +189,7 @@ class BeamState:
         # costs more than the decoding of a short batch)
         token_rows, positional_rows = tokens.unbind(0), positional.unbind(0)
         score_items = eos_scores.unbind(0)
+        empty = torch.empty(0)  # fairseq's attention/alignment of every hypothesis: nothing
         out: List[List[Dict[str, Tensor]]] = []
         for s, count in enumerate(counts):
             first = s * (beam + 1)
@@ -198,8 +199,8 @@ class BeamState:
                 hypos.append({
                     "tokens": token_rows[i][1:n + 1],
                     "score": score_items[i],
-                    "attention": torch.empty(0),
-                    "alignment": torch.empty(0),
+                    "attention": empty,
+                    "alignment": empty,
                     "positional_scores": positional_rows[i][:n],
                 })
             # fairseq's sort (torch.sort of the float scores, descending)
