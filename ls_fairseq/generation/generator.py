@@ -82,6 +82,31 @@ def _source_bucket(n: int) -> int:
     return -(-n // SOURCE_BUCKET) * SOURCE_BUCKET
 
 
+def _capture(graph: "torch.cuda.CUDAGraph", pool, fn) -> Optional[str]:
+    """Captures ``fn()`` into ``graph`` on the current stream; the error, as text, if it fails.
+
+    capture_begin/end, not torch.cuda.graph: that one empties the allocator's cache at every
+    capture (a later batch would pay cudaMalloc again). ``thread_local``: only this thread is
+    barred from calls that are unsafe during a capture; in the default global mode a call from
+    any thread breaks it, and fairseq's data loader pins memory (cudaHostAlloc) on its own
+    thread while fairseq-generate decodes. Captured work does not run, so after a failure the
+    step has not happened."""
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        fn()
+    except RuntimeError as e:  # a call the capture refused; ending it raises again: dropped
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            pass
+        return str(e).splitlines()[0]
+    try:
+        graph.capture_end()
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
 class _Workspace:
     """Every buffer a decoding step of ``bsz`` sentences x ``beam`` touches, reused by the batches
     of that shape; the CUDA graphs captured over them, by (source bucket, capacity, first step)."""
@@ -107,6 +132,7 @@ class _Workspace:
         self.cross_rows = torch.arange(self.rows, device=device) // beam
         self.cross_mask = torch.ones(self.rows, src_len, dtype=torch.bool, device=device)
         self.graphs: Dict[Tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.uncapturable = set()  # shapes whose capture failed: eager steps
         self.pool = None
         self.done: Optional[Tensor] = None  # pinned host counts, one per step parity
         self.events = [None, None]
@@ -386,12 +412,16 @@ class LSSequenceGenerator(SequenceGenerator):
 
     def _replay(self, ws: _Workspace, step_fn, bucket: int, capacity: int, first: bool = False):
         """Runs the step (``first``: step 0's) as the workspace's graph of this shape, captured
-        the first time."""
+        the first time. A capture that fails is dropped: that shape's steps then run eagerly,
+        with one log line."""
         self.stats["replays"] += 1
         key = (bucket, capacity, first)
         graph = ws.graphs.get(key)
         if graph is not None:
             graph.replay()
+            return
+        if key in ws.uncapturable:
+            step_fn(first=first, last=False)
             return
         t0 = time.perf_counter()
         current = torch.cuda.current_stream()
@@ -408,15 +438,19 @@ class LSSequenceGenerator(SequenceGenerator):
         if ws.pool is None:
             ws.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # capture_begin/end, not torch.cuda.graph: that one empties the allocator's cache at
-        # every capture (a later batch would pay cudaMalloc again)
+        error = None
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=ws.pool)
-            try:
+            error = _capture(graph, ws.pool, lambda: step_fn(first=first, last=False))
+            if error is not None and not warm_up:  # nothing of the step ran: run it now
                 step_fn(first=first, last=False)
-            finally:
-                graph.capture_end()
         current.wait_stream(stream)
+        if error is not None:
+            ws.uncapturable.add(key)
+            if "capture" not in self._told:
+                self._told.add("capture")
+                logger.warning(f"ls_fairseq: a decoding step could not be captured as a CUDA "
+                               f"graph ({error}); steps of its shape run eagerly")
+            return
         ws.graphs[key] = graph
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0

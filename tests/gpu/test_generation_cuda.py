@@ -118,3 +118,66 @@ def test_fp16_matches_fairseq(setup):
     assert same >= 0.9 * len(best)
     for h in _flat(ours):
         assert h["tokens"][-1].item() == d.eos() and len(h["tokens"]) <= 31
+
+
+def test_captures_survive_pinning_on_another_thread(setup):
+    """fairseq's data loader pins each batch (cudaHostAlloc) on its own thread while
+    fairseq-generate decodes. Under the default (global) capture mode such a call breaks a capture
+    in progress: the fairseq-generate runs of the benchmark failed at capture_end, at random, with
+    cudaErrorStreamCaptureInvalidated. Captures are thread-local: they must all succeed while
+    another thread pins memory as fast as it can."""
+    import threading
+
+    d, _, ls = setup
+    model = copy.deepcopy(ls).half()
+    stop = threading.Event()
+
+    def pin():
+        while not stop.is_set():
+            torch.empty(1 << 16, pin_memory=True)
+
+    thread = threading.Thread(target=pin, daemon=True)
+    thread.start()
+    try:
+        gen, results = _run(LSSequenceGenerator, model, d,
+                            _batches(d, [(8, 13), (16, 29), (5, 7), (33, 14)], seed=4), 5,
+                            max_len_b=40)
+    finally:
+        stop.set()
+        thread.join()
+    assert gen.stats["captures"] >= 4
+    assert all(not ws.uncapturable for ws in gen._workspaces.values())
+    assert _flat(results)
+
+
+def test_failed_capture_falls_back_to_eager(setup, monkeypatch, caplog):
+    """A capture that fails anyway is dropped: the steps of its shape run eagerly (one warning),
+    and the hypotheses are those of all-eager decoding bit for bit."""
+    d, _, ls = setup
+    model = copy.deepcopy(ls).half()
+    batches = _batches(d, [(8, 13), (8, 11), (8, 29)], seed=6)
+    real_end = torch.cuda.CUDAGraph.capture_end
+    failures = {"left": 3}
+
+    def failing_end(graph):
+        real_end(graph)
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               "capture (simulated)")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", failing_end)
+    with caplog.at_level("WARNING"):
+        gen, graphed = _run(LSSequenceGenerator, model, d, batches, 5, max_len_b=40)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", real_end)
+    assert failures["left"] == 0
+    assert sum(len(ws.uncapturable) for ws in gen._workspaces.values()) == 3
+    assert gen.stats["captures"] >= 1  # the later shapes were captured
+    assert sum("could not be captured" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv(fast.ENV, "eager")
+    monkeypatch.setattr(fast, "PAD_EAGER", True)
+    _, eager = _run(LSSequenceGenerator, model, d, batches, 5, max_len_b=40)
+    a, b = _flat(graphed), _flat(eager)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["score"], y["score"])
