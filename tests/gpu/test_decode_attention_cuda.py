@@ -51,11 +51,8 @@ GRID = [(r, h, t, d) for r in ROWS for h in HEADS for t in LENGTHS for d in HEAD
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    assert _extension.load(), f"CUDA extension failed to build: {_extension.failure_reason()}"
-    assert _extension.has_op("decode_attention"), "decode_attention op not registered"
+def _kernels(extension):
+    assert extension.has_op("decode_attention"), "decode_attention op not registered"
 
 
 def _binding():
