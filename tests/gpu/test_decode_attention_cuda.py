@@ -29,7 +29,6 @@ import pytest
 import torch
 
 from kernel_oracle import within_reference
-from ls_fairseq.ops import _extension
 from ls_fairseq.ops.attention import attention_reference
 from ls_fairseq.ops.decode_attention import (decode_attention, decode_attention_reference,
                                              gather_rows)
