@@ -2,7 +2,8 @@
 
 Covers: every ls_ architecture trains with ls_label_smoothed_cross_entropy + ls_adam, saves,
 resumes from its checkpoint, and decodes with beam search; --memory-efficient-fp16; a checkpoint
-converted to fairseq's architecture generates the same hypotheses; checkpoints load under
+converted to fairseq's architecture generates the same hypotheses (fairseq-generate, and
+fairseq-interactive through ls_fairseq's own beam search); checkpoints load under
 torch>=2.6 without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD.
 """
 import os
@@ -128,15 +129,38 @@ def test_train_resume_generate(data_bin, tmp_path, arch, extra):
     assert "A-0" in out  # alignments come from the decoder's cross-attention weights
 
 
-def test_interactive_decodes_stdin(data_bin, tmp_path):
-    train(data_bin, tmp_path, "ls_transformer", ["--share-all-embeddings"], 20)
+def _interactive(data_bin, checkpoint, lines, user_dir=True):
     proc = subprocess.run(
-        fairseq_cli("interactive") + [str(data_bin), "--path", str(tmp_path / "checkpoint_last.pt"),
-                                      "--user-dir", USER_DIR, "--beam", "3", "--source-lang", "src",
-                                      "--target-lang", "tgt"],
-        input="w1 w2 w3\nw4 w5\n", capture_output=True, text=True, env=_env())
+        fairseq_cli("interactive") + [str(data_bin), "--path", str(checkpoint), "--beam", "3",
+                                      "--source-lang", "src", "--target-lang", "tgt",
+                                      "--buffer-size", "3", "--batch-size", "2"]
+        + (["--user-dir", USER_DIR] if user_dir else []),
+        input="".join(line + "\n" for line in lines), capture_output=True, text=True,
+        env=_env(plain_fairseq=not user_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == 2, proc.stdout[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def test_interactive_matches_fairseq(data_bin, tmp_path):
+    """fairseq-interactive with an ls_ checkpoint decodes with LSSequenceGenerator, in buffers of
+    several batches, and prints the hypotheses of fairseq-interactive with the same checkpoint
+    converted to fairseq's transformer (fp32, CPU: same tokens; scores printed within 1e-5)."""
+    train(data_bin, tmp_path, "ls_transformer", ["--share-all-embeddings"], 40)
+    ls_ckpt, fs_ckpt = tmp_path / "checkpoint_last.pt", tmp_path / "as_fairseq.pt"
+    run([sys.executable, "-m", "ls_fairseq.cli.convert_checkpoint", str(ls_ckpt), str(fs_ckpt),
+         "--to", "fairseq"])
+    lines = ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9 w10 w11", "w2", "w3 w3 w5 w7 w1", "w9 w8 w7 w6"]
+    ours, theirs = (_interactive(data_bin, ls_ckpt, lines),
+                    _interactive(data_bin, fs_ckpt, lines, user_dir=False))
+    assert "decodes with LSSequenceGenerator (LS_FAIRSEQ_GENERATOR=graphs" in ours, ours[-2000:]
+    hyp = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$", re.M)
+    a = {i: (float(score), text) for i, score, text in hyp.findall(ours)}
+    b = {i: (float(score), text) for i, score, text in hyp.findall(theirs)}
+    assert len(a) == len(lines) and sorted(a) == sorted(b), (ours[-2000:], theirs[-2000:])
+    for i in a:
+        assert a[i][1] == b[i][1], (i, a[i], b[i])
+        assert abs(a[i][0] - b[i][0]) <= 1e-5 * max(1.0, abs(b[i][0])), (i, a[i], b[i])
+    assert len({text for _, text in a.values()}) > 1  # not one degenerate output for every line
 
 
 def test_learns_and_matches_fairseq_loss_curve(data_bin, tmp_path):

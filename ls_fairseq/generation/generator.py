@@ -227,6 +227,10 @@ class LSSequenceGenerator(SequenceGenerator):
         #: counts of the fixed-shape path: steps, graph replays, captures (and their host
         #: seconds), shrinks
         self.stats = dict(steps=0, replays=0, captures=0, capture_s=0.0, shrinks=0)
+        logger.info(f"ls_fairseq decodes with LSSequenceGenerator ({ENV}={mode()}: CUDA graphs "
+                    "for fp16/bf16 models on a GPU, eager steps otherwise)"
+                    if mode() == "graphs" else
+                    f"ls_fairseq decodes with LSSequenceGenerator ({ENV}={mode()})")
 
     # ---- when the fixed-shape path applies ----------------------------------------------
 
