@@ -772,3 +772,45 @@ def test_static_cache_bad_row_table(table):
     with pytest.raises(ValueError, match="row_table"):
         StaticKVCache(torch.zeros(2, 2, 3, 2, 5, 4), torch.ones(3, 5, dtype=torch.bool),
                       torch.zeros(1, dtype=torch.long), table)
+
+
+def test_cross_keys_once_per_sentence_through_fairseqs_reorders(models, dictionary):
+    """Cross-attention keys/values stored once per sentence (``"rows"``: each row's sentence, in
+    the decoder's ``encoder_kv`` state, as LSSequenceGenerator stores them) decode like the
+    decoder's own per-row copies, through fairseq's incremental steps and reorders
+    (``reorder_incremental_state`` then moves the index, not the keys/values)."""
+    _, ls = models("pre_ln_t2t")
+    beam, bsz = 3, 4
+    sample = _sample(dictionary, bsz, 9, seed=21)
+    src = sample["net_input"]["src_tokens"]
+    g = torch.Generator().manual_seed(4)
+    prev = torch.randint(4, len(dictionary), (bsz * beam, 5), generator=g)
+    prev[:, 0] = dictionary.eos()
+    order = torch.arange(bsz).repeat_interleave(beam)
+    with torch.no_grad():
+        enc = ls.encoder(src, sample["net_input"]["src_lengths"])
+        beams = ls.encoder.reorder_encoder_out(enc, order)
+        attns = [layer.encoder_attn for layer in ls.decoder.layers]
+        per_sentence = ls.decoder.encoder_kv.project(enc["encoder_out"][0].transpose(0, 1), attns)
+        # beam reorders within sentences, then sentence 1 finished (fairseq drops its rows)
+        reorders = {2: torch.tensor([2, 0, 1, 3, 3, 5, 8, 6, 7, 11, 9, 10]),
+                    3: torch.tensor([0, 0, 2, 6, 7, 8, 9, 10, 9])}
+        outputs = []
+        for shared in (False, True):
+            state, out, tokens, enc_t = {}, [], prev, beams
+            if shared:
+                ls.decoder.set_incremental_state(state, "encoder_kv",
+                                                 {"kv": per_sentence, "rows": order.clone()})
+            for t in range(1, prev.size(1) + 1):
+                if t in reorders:
+                    ls.decoder.reorder_incremental_state_scripting(state, reorders[t])
+                    enc_t = ls.encoder.reorder_encoder_out(enc_t, reorders[t])
+                    tokens = tokens.index_select(0, reorders[t])
+                out.append(ls.decoder(tokens[:, :t], enc_t, incremental_state=state)[0])
+            if shared:
+                cached = ls.decoder.get_incremental_state(state, "encoder_kv")
+                assert cached["kv"] is per_sentence  # never copied
+                assert cached["rows"].tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3]
+            outputs.append(out)
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
