@@ -52,7 +52,7 @@ from ls_fairseq import fairseq_patches
 from ls_fairseq.generation import LSSequenceGenerator, generator as generator_module
 from ls_fairseq.generation.beam_search import BeamState
 from ls_fairseq.modules.kv_cache import StaticKVCache
-from test_incremental_decoding import CONFIGS, _assert_same_hypotheses, _sample, one_thread  # noqa: F401 (autouse fixture)
+from test_incremental_decoding import CONFIGS, _assert_same_hypotheses, _decode_steps, _sample, one_thread  # noqa: F401 (autouse fixture)
 
 ENV = generator_module.ENV
 LOGGER = generator_module.logger.name
@@ -795,22 +795,13 @@ def test_cross_keys_once_per_sentence_through_fairseqs_reorders(models, dictiona
         # beam reorders within sentences, then sentence 1 finished (fairseq drops its rows)
         reorders = {2: torch.tensor([2, 0, 1, 3, 3, 5, 8, 6, 7, 11, 9, 10]),
                     3: torch.tensor([0, 0, 2, 6, 7, 8, 9, 10, 9])}
-        outputs = []
-        for shared in (False, True):
-            state, out, tokens, enc_t = {}, [], prev, beams
-            if shared:
-                ls.decoder.set_incremental_state(state, "encoder_kv",
-                                                 {"kv": per_sentence, "rows": order.clone()})
-            for t in range(1, prev.size(1) + 1):
-                if t in reorders:
-                    ls.decoder.reorder_incremental_state_scripting(state, reorders[t])
-                    enc_t = ls.encoder.reorder_encoder_out(enc_t, reorders[t])
-                    tokens = tokens.index_select(0, reorders[t])
-                out.append(ls.decoder(tokens[:, :t], enc_t, incremental_state=state)[0])
-            if shared:
-                cached = ls.decoder.get_incremental_state(state, "encoder_kv")
-                assert cached["kv"] is per_sentence  # never copied
-                assert cached["rows"].tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3]
-            outputs.append(out)
-    for a, b in zip(*outputs):
+        copies = _decode_steps(ls, beams, prev, reorders)
+        state = {}
+        ls.decoder.set_incremental_state(state, "encoder_kv",
+                                         {"kv": per_sentence, "rows": order.clone()})
+        shared = _decode_steps(ls, beams, prev, reorders, state)
+        cached = ls.decoder.get_incremental_state(state, "encoder_kv")
+        assert cached["kv"] is per_sentence  # never copied
+        assert cached["rows"].tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3]
+    for a, b in zip(copies, shared):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

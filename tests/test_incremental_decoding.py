@@ -163,10 +163,10 @@ def test_sequence_generator_matches_concatenating_path_bit_for_bit(case, pairs, 
     _assert_same_hypotheses(hyps, old, exact=True)
 
 
-def _decode_steps(model, enc, prev, reorders):
+def _decode_steps(model, enc, prev, reorders, state=None):
     """Decoder steps over ``prev`` with ``reorders`` {step: new_order} applied before a step:
-    the logits of every step."""
-    state, out = {}, []
+    the logits of every step (``state``: the incremental state to start from)."""
+    state, out = ({} if state is None else state), []
     for t in range(1, prev.size(1) + 1):
         if t in reorders:
             model.decoder.reorder_incremental_state_scripting(state, reorders[t])
