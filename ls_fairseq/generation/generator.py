@@ -15,17 +15,18 @@ batch is decoded by :meth:`LSSequenceGenerator._generate`:
    reordering: of the cache's row table, not of its keys/values). For fp16/bf16 models on a
    GPU the step has fixed shapes and is captured as a CUDA graph the first time a shape occurs,
    then replayed; the host reads the number of unfinished sentences one step late, so the GPU
-   never waits for it. Elsewhere (fp32, the CPU,
-   ``LS_FAIRSEQ_GENERATOR=eager``) the same step runs eagerly over the exact lengths;
+   never waits for it. Elsewhere (fp32, the CPU, ``LS_FAIRSEQ_GENERATOR=eager``) the same step
+   runs eagerly over the exact lengths;
 3. once at most ``1/SHRINK`` of a batch's sentences are unfinished, they move to the workspace
    of the next power of two (fairseq drops finished sentences at every step);
 4. the hypotheses are read out at the end (and at each shrink), in fairseq's format and order.
 
 Shapes: a workspace per (sentences, beam) holds every buffer, reused by later batches of that
-shape; with graphs, a batch's sentences round up to a power of two up to 8, then to a multiple of
-8 (the extra sentences repeat the first one and are finished from the start); the least recently used
-workspaces are dropped past ``MAX_WORKSPACES`` or ``WORKSPACE_MEMORY``. With graphs, the source length is rounded up to a power of two (>= 16; ``SOURCE_BUCKET``
-> 0: a multiple of it) and the self-attention capacity is a power of two from
+shape; with graphs, a batch's sentences round up to a power of two up to 8, then to a multiple
+of 8 (the extra sentences repeat the first one and are finished from the start); the least
+recently used workspaces are dropped past ``MAX_WORKSPACES`` or ``WORKSPACE_MEMORY``. With graphs,
+the source length is rounded up to a power of two (>= 16; ``SOURCE_BUCKET`` > 0: a multiple of
+it) and the self-attention capacity is a power of two from
 ``INITIAL_CAPACITY`` up to ``max_len + 1``, with the extra positions masked; one graph per
 (source bucket, capacity, first step or not) of a workspace.
 
@@ -92,19 +93,16 @@ def _capture(graph: "torch.cuda.CUDAGraph", pool, fn) -> Optional[str]:
     thread while fairseq-generate decodes. Captured work does not run, so after a failure the
     step has not happened."""
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    error = None
     try:
         fn()
-    except RuntimeError as e:  # a call the capture refused; ending it raises again: dropped
-        try:
-            graph.capture_end()
-        except RuntimeError:
-            pass
-        return str(e).splitlines()[0]
+    except RuntimeError as e:  # a call the capture refused (ending it then raises again)
+        error = e
     try:
         graph.capture_end()
     except RuntimeError as e:
-        return str(e).splitlines()[0]
-    return None
+        error = error or e
+    return None if error is None else str(error).splitlines()[0]
 
 
 class _Workspace:
@@ -154,12 +152,12 @@ class _Workspace:
         if capacity not in self.kv:
             layers, two, rows, heads, head_dim = self.kv_shape
             device = self.step.device
-            table = torch.empty(rows, capacity, dtype=torch.long, device=device)
-            table.copy_(torch.arange(rows, device=device).unsqueeze(1))
             self.kv[capacity] = (
                 torch.zeros(layers, two, rows, heads, capacity, head_dim, dtype=self.dtype,
                             device=device),
-                torch.ones(rows, capacity, dtype=torch.bool, device=device), table)
+                torch.ones(rows, capacity, dtype=torch.bool, device=device),
+                # valid row indices; the cache fills what it reads (reset, copy_from, select_from)
+                torch.zeros(rows, capacity, dtype=torch.long, device=device))
         return self.kv[capacity]
 
     def cache(self, capacity: int, length: Optional[int] = None) -> StaticKVCache:
@@ -227,10 +225,10 @@ class LSSequenceGenerator(SequenceGenerator):
         #: counts of the fixed-shape path: steps, graph replays, captures (and their host
         #: seconds), shrinks
         self.stats = dict(steps=0, replays=0, captures=0, capture_s=0.0, shrinks=0)
-        logger.info(f"ls_fairseq decodes with LSSequenceGenerator ({ENV}={mode()}: CUDA graphs "
-                    "for fp16/bf16 models on a GPU, eager steps otherwise)"
-                    if mode() == "graphs" else
-                    f"ls_fairseq decodes with LSSequenceGenerator ({ENV}={mode()})")
+        path = mode()
+        detail = ": CUDA graphs for fp16/bf16 models on a GPU, eager steps otherwise"
+        logger.info(f"ls_fairseq decodes with LSSequenceGenerator "
+                    f"({ENV}={path}{detail if path == 'graphs' else ''})")
 
     # ---- when the fixed-shape path applies ----------------------------------------------
 
@@ -442,7 +440,6 @@ class LSSequenceGenerator(SequenceGenerator):
         if ws.pool is None:
             ws.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        error = None
         with torch.cuda.stream(stream):
             error = _capture(graph, ws.pool, lambda: step_fn(first=first, last=False))
             if error is not None and not warm_up:  # nothing of the step ran: run it now

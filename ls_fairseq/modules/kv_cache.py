@@ -239,10 +239,8 @@ class StaticKVCache:
         if buffer.dim() != 6 or buffer.size(1) != 2 or mask.shape != (buffer.size(2), buffer.size(4)):
             raise ValueError(f"StaticKVCache needs buffer [L, 2, R, H, C, D] and mask [R, C], got "
                              f"{tuple(buffer.shape)} and {tuple(mask.shape)}")
-        if row_table is None:
-            row_table = torch.empty(mask.shape, dtype=torch.long, device=mask.device)
-            row_table.copy_(torch.arange(mask.size(0), device=mask.device).unsqueeze(1))
-        elif row_table.shape != mask.shape or row_table.dtype != torch.long:
+        if row_table is not None and (row_table.shape != mask.shape
+                                      or row_table.dtype != torch.long):
             raise ValueError(f"StaticKVCache needs row_table [R, C] = {tuple(mask.shape)} int64, "
                              f"got {tuple(row_table.shape)} {row_table.dtype}")
         self.buffer = buffer
@@ -253,6 +251,8 @@ class StaticKVCache:
         self.rows = buffer.size(2)
         self.capacity = buffer.size(4)
         self.layers = [LayerKVCache(self, i) for i in range(self.num_layers)]
+        if row_table is None:
+            self.row_table = self._row_ids().repeat(1, self.capacity)
 
     def _row_ids(self) -> Tensor:
         """[R, 1]: each row's own index. Made by the call that uses it: a CUDA graph captured

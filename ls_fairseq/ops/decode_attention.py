@@ -60,6 +60,11 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, rows: Tensor,
     """out [R, H, D] (see the module docstring): the gathered keys/values through
     :func:`attention_reference`."""
     _check(q, k, v, rows, key_padding_mask)
+    return _gathered(q, k, v, rows, key_padding_mask)
+
+
+def _gathered(q, k, v, rows, key_padding_mask):
+    """The reference's math on checked inputs."""
     values = gather_rows(v, rows)
     if key_padding_mask is not None:  # masked positions are never read (they may be unwritten)
         values = values.masked_fill(key_padding_mask[:, None, :, None], 0)
@@ -75,4 +80,4 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, rows: Tensor,
 
         if cuda.supports(q, k, v, rows, key_padding_mask):
             return cuda.decode_attention_cuda(q, k, v, rows, key_padding_mask)
-    return decode_attention_reference(q, k, v, rows, key_padding_mask)
+    return _gathered(q, k, v, rows, key_padding_mask)
