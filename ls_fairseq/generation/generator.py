@@ -223,8 +223,9 @@ class LSSequenceGenerator(SequenceGenerator):
         self._told = set()
         self._stream = None  # the capture stream
         #: counts of the fixed-shape path: steps, graph replays, captures (and their host
-        #: seconds), shrinks
-        self.stats = dict(steps=0, replays=0, captures=0, capture_s=0.0, shrinks=0)
+        #: seconds), failed captures, shrinks
+        self.stats = dict(steps=0, replays=0, captures=0, capture_s=0.0, capture_failures=0,
+                          shrinks=0)
         path = mode()
         detail = ": CUDA graphs for fp16/bf16 models on a GPU, eager steps otherwise"
         logger.info(f"ls_fairseq decodes with LSSequenceGenerator "
@@ -447,6 +448,7 @@ class LSSequenceGenerator(SequenceGenerator):
         current.wait_stream(stream)
         if error is not None:
             ws.uncapturable.add(key)
+            self.stats["capture_failures"] += 1
             if "capture" not in self._told:
                 self._told.add("capture")
                 logger.warning(f"ls_fairseq: a decoding step could not be captured as a CUDA "

@@ -148,7 +148,7 @@ def test_captures_survive_pinning_on_another_thread(setup):
         stop.set()
         thread.join()
     assert gen.stats["captures"] >= 4
-    assert all(not ws.uncapturable for ws in gen._workspaces.values())
+    assert gen.stats["capture_failures"] == 0
     assert _flat(results)
 
 
@@ -173,7 +173,8 @@ def test_failed_capture_falls_back_to_eager(setup, monkeypatch, caplog):
         gen, graphed = _run(LSSequenceGenerator, model, d, batches, 5, max_len_b=40)
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", real_end)
     assert failures["left"] == 0
-    assert sum(len(ws.uncapturable) for ws in gen._workspaces.values()) == 3
+    # the generator's count: workspaces replaced since (a larger source) took their shapes along
+    assert gen.stats["capture_failures"] == 3
     assert gen.stats["captures"] >= 1  # the later shapes were captured
     assert sum("could not be captured" in r.getMessage() for r in caplog.records) == 1
     monkeypatch.setenv(fast.ENV, "eager")
