@@ -397,7 +397,28 @@ def run_config(a, config, checkpoints, data, refs):
             figures[s] = dict(error=FAIRSEQ_NO_BF16)
         else:
             figures[s] = side_figures(runs[s], hyps.get(s, {}), gold or {}, config["batch"])
-    return make_row(dict(config, subset=subset), figures, hyps, commands)
+    row = make_row(dict(config, subset=subset), figures, hyps, commands)
+    if a.floor_batch and config["batch"] > 1 and hyps.get("fairseq"):
+        row.update(noise_floor(a, config, checkpoints["fairseq"], data, subset, name, hyps))
+    return row
+
+
+def noise_floor(a, config, checkpoint, data, subset, name, hyps):
+    """fairseq against itself: its hypotheses at --floor-batch against those at the row's batch.
+    In fp16 a batch of another size pads and groups sentences differently, so the same model's
+    scores round differently and near-ties flip; no decoder can agree with fairseq's
+    more closely than fairseq agrees with itself."""
+    args = generate_args(data, checkpoint, "fairseq", subset, config["beam"], a.floor_batch,
+                         config["dtype"], a.device, [])
+    run, floor, _ = run_generate(
+        args, os.path.join(a.workdir, "runs", f"{name}_fairseq_floor{a.floor_batch}.txt"),
+        a.device)
+    if "error" in run:
+        return dict(floor_batch=a.floor_batch, floor_error=run["error"])
+    return dict(floor_batch=a.floor_batch,
+                fairseq_floor_identical=identical_fraction(hyps["fairseq"], floor),
+                ls_floor_identical=(identical_fraction(hyps["ls"], floor)
+                                    if hyps.get("ls") else None))
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,6 +431,14 @@ def fmt(v, spec):
 
 def pair(row, key, spec):
     return f"{fmt(row.get('fairseq_' + key), spec)} / {fmt(row.get('ls_' + key), spec)}"
+
+
+def notes(row):
+    out = list(row.get("notes", []))
+    if row.get("fairseq_floor_identical") is not None:
+        out.append(f"fairseq at batch {row['floor_batch']}: "
+                   f"{100 * row['fairseq_floor_identical']:.1f}% identical to itself")
+    return out
 
 
 def markdown(rows):
@@ -426,7 +455,7 @@ def markdown(rows):
             f"{fmt(r.get('fairseq_sent_s'), ',.1f')} | {fmt(r.get('ls_sent_s'), ',.1f')} | "
             f"{speedup} | {fmt(r.get('fairseq_tok_s'), ',.0f')} | "
             f"{fmt(r.get('ls_tok_s'), ',.0f')} | {ms} | {ident} | {pair(r, 'bleu', '.2f')} | "
-            f"{pair(r, 'length_ratio', '.3f')} | {'; '.join(r.get('notes', []))} |")
+            f"{pair(r, 'length_ratio', '.3f')} | {'; '.join(notes(r))} |")
     return "\n".join(lines)
 
 
@@ -452,8 +481,11 @@ def targets(rows):
         elif r["dtype"] == "fp16":
             d = (None if r.get("fairseq_bleu") is None or r.get("ls_bleu") is None
                  else r["ls_bleu"] - r["fairseq_bleu"])
+            floor = r.get("fairseq_floor_identical")
+            floor = ("" if floor is None else f"; fairseq against itself at batch "
+                     f"{r['floor_batch']}: {100 * floor:.1f}%")
             out.append((f"{where}: {100 * r['identical']:.1f}% identical, Δ BLEU "
-                        f"{fmt(d, '+.2f')} (target ≥ 99%, |Δ| ≤ {BLEU_EQUAL})",
+                        f"{fmt(d, '+.2f')} (target ≥ 99%, |Δ| ≤ {BLEU_EQUAL}{floor})",
                         d is not None and r["identical"] >= 0.99 and abs(d) <= BLEU_EQUAL))
     return out
 
@@ -532,6 +564,10 @@ def parse_args(argv):
                    help="tokens per training batch (default 8192 on a GPU, 1024 on the CPU)")
     p.add_argument("--lr", type=float, default=7e-4)
     p.add_argument("--warmup-updates", type=int, default=500)
+    p.add_argument("--floor-batch", type=int, default=0,
+                   help="also decode fairseq's side at this --batch-size (rows of batch > 1) and "
+                        "report how many of its hypotheses equal its own at the row's batch: "
+                        "the fp16 noise floor of the identical column (0: not run)")
     p.add_argument("--ls-args", default="",
                    help="more fairseq-generate options for the ls_ side only (quoted)")
     p.add_argument("--fairseq-bf16", action="store_true",

@@ -170,7 +170,7 @@ def test_both_sides_alternate_and_bf16_skips_fairseq(monkeypatch, tmp_path):
 
     monkeypatch.setattr(generate, "run_generate", fake)
     a = SimpleNamespace(repeats=3, fairseq_bf16=False, device="cuda", ls_args="--x 1",
-                        workdir=str(tmp_path))
+                        workdir=str(tmp_path), floor_batch=0)
     ckpts = dict(fairseq="fs.pt", ls="ls.pt")
     refs = dict(latency=SENTENCES, test={})
     row = generate.run_config(a, dict(size="big", dtype="fp16", beam=5, batch=1), ckpts, "bin",
@@ -193,6 +193,41 @@ def test_both_sides_alternate_and_bf16_skips_fairseq(monkeypatch, tmp_path):
     assert row["fairseq_error"] == generate.FAIRSEQ_NO_BF16 and row["speedup"] is None
     assert row["ls_bleu"] == pytest.approx(100.0)  # the T- lines where no raw text is given
     assert row["notes"] == ["fairseq: " + generate.FAIRSEQ_NO_BF16]
+
+
+def test_noise_floor_decodes_fairseq_again_at_the_floor_batch(monkeypatch, tmp_path):
+    """--floor-batch: one more fairseq run at that batch; the row says how many of fairseq's
+    hypotheses equal its own there (and ls_'s equal fairseq's there), the table and the target
+    line say the floor; rows of batch 1 have none."""
+    calls = []
+
+    def fake(args, log_path, device):
+        side = "ls" if "--user-dir" in args else "fairseq"
+        batch = int(_flag(args, "--batch-size"))
+        calls.append((side, batch))
+        hyps = dict(SENTENCES)
+        if side == "fairseq" and batch == 96:  # a near-tie flips at the other batch
+            hyps[1] = "g h i j k"
+        return (dict(sent_s=10.0, tok_s=100.0, sentences=2, tokens=8, seconds=1.0, wall_s=3.0,
+                     model_dtype="float16", peak_gb=1.0), hyps, SENTENCES)
+
+    monkeypatch.setattr(generate, "run_generate", fake)
+    a = SimpleNamespace(repeats=1, fairseq_bf16=False, device="cuda", ls_args="",
+                        workdir=str(tmp_path), floor_batch=96)
+    ckpts = dict(fairseq="fs.pt", ls="ls.pt")
+    refs = dict(latency=SENTENCES, test=SENTENCES)
+    row = generate.run_config(a, dict(size="big", dtype="fp16", beam=5, batch=128), ckpts, "bin",
+                              refs)
+    assert calls == [("fairseq", 128), ("ls", 128), ("fairseq", 96)]
+    assert row["floor_batch"] == 96 and row["identical"] == 1.0
+    assert row["fairseq_floor_identical"] == pytest.approx(0.5)
+    assert row["ls_floor_identical"] == pytest.approx(0.5)
+    assert "fairseq at batch 96: 50.0% identical to itself" in generate.markdown([row])
+    assert "fairseq against itself at batch 96: 50.0%" in generate.targets_markdown([row])
+    calls.clear()
+    row = generate.run_config(a, dict(size="big", dtype="fp16", beam=5, batch=1), ckpts, "bin",
+                              refs)
+    assert calls == [("fairseq", 1), ("ls", 1)] and "floor_batch" not in row
 
 
 def test_fairseq_012_generate_has_no_bf16():
