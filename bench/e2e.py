@@ -120,6 +120,13 @@ VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_grap
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",
                             flags=VARIANTS["ls_deferred"]["flags"] + ["--ls-async-stats"])
+# several GPUs: fairseq's --grouped-shuffling (the N batches of an update are neighbours in
+# length, and each rank keeps its batches from epoch to epoch; bench/shard_balance.py models
+# why that matters); on one GPU the same order as without it, so the 1-GPU figure is reused
+VARIANTS["ls_grouped"] = dict(_LS, single_gpu_as="ls", flags=["--grouped-shuffling"])
+VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
+                                            single_gpu_as="baseline_nocudnn",
+                                            flags=["--grouped-shuffling"])
 # the recommended flags with one attention backend forced (LS_FAIRSEQ_ATTENTION), for A/B runs;
 # ls_deferred itself runs auto, which is short wherever rows are <= 128
 VARIANTS["ls_deferred_short"] = dict(VARIANTS["ls_deferred"], env={"LS_FAIRSEQ_ATTENTION": "short"})

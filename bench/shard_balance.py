@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""What the shard of each GPU costs: N GPUs wait for the slowest rank at every update.
+
+CPU only, no training: a model of the multi-GPU step, to choose a design before GPU time.
+fairseq's batches of the end-to-end benchmark's corpus (``shape_buckets.fairseq_batches``:
+WMT14-like lengths, fairseq's ordering and ``batch_by_size``) are shuffled per epoch and dealt
+to N ranks as fairseq's ``EpochBatchIterator`` deals them (``ShardedIterator``: rank r takes
+batches r, r + N, ...), either shuffled one by one (fairseq's default) or in groups of N
+neighbouring batches (fairseq's own ``--grouped-shuffling``: the frozen batches are in length
+order, so the N batches of an update have similar lengths). Each rank pads its batches with its
+own ``ShapeBuckets`` (``--ls-shape-buckets 16``, slack 0.2, the criterion's defaults) and keeps
+CUDA graphs as the criterion's ``CapturePolicy`` does (first sighting, ``compact`` memory: every
+shape new to a rank is captured there).
+
+The cost model, GPU-bound as ls_'s step is (docs/PERFORMANCE.md, "Known limits"):
+
+* a step costs its padded token slots (source + target positions) at one rate, set so that one
+  GPU replaying every shape runs ``--wps`` target tokens/s;
+* a shape new to a rank costs ``--capture-ms`` more on that rank (capture, gradient-free
+  forward, host work);
+* an update on N > 1 GPUs waits for its slowest rank, plus ``--reduce-ms`` of all-reduce not
+  hidden under the backward.
+
+Scaling = (one GPU's time for the epoch's batches) / (N GPUs' time for them): what
+``bench/multi_gpu.py`` measures by wall clock, less what the model leaves out (the data
+loader, the host's share, the all-reduce's interference beyond ``--reduce-ms``).
+
+    python bench/shard_balance.py --sentences 200000 --gpus 2 4 --epochs 4 --json out.json
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shape_buckets import batch_shapes, fairseq_batches  # noqa: E402
+
+from ls_fairseq.graphs.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
+
+
+def epoch_order(n_batches, ranks, epoch, seed, grouped):
+    """The batch indices of an epoch in fairseq's order (``ordered_batches``: numpy's legacy
+    shuffle under ``numpy_seed(seed + epoch)``, by groups of ``ranks`` with ``grouped``), and
+    each rank's share (``ShardedIterator``; a short shard gets None, fairseq's dummy batch)."""
+    batches = list(range(n_batches))
+    state = np.random.RandomState(seed + epoch)
+    if grouped:
+        groups = [batches[i * ranks:(i + 1) * ranks] for i in range(n_batches // ranks)]
+        state.shuffle(groups)
+        batches = [b for g in groups for b in g]  # fairseq drops the last partial group too
+    else:
+        state.shuffle(batches)
+    per_rank = -(-len(batches) // ranks)
+    return [[batches[i] if i < len(batches) else None for i in range(r, per_rank * ranks, ranks)]
+            for r in range(ranks)]
+
+
+class Rank:
+    """One GPU: its padding and the shapes it holds graphs for."""
+
+    def __init__(self, buckets, slack):
+        self.buckets = ShapeBuckets(buckets, slack)
+        self.captured = set()
+
+    def step(self, raw, rate_s, capture_s):
+        """Seconds of one step of the batch of (rows, source, target) shape ``raw``."""
+        shape = self.buckets.shape_for(raw)
+        seconds = token_slots(shape) * rate_s
+        if shape not in self.captured:
+            self.captured.add(shape)
+            seconds += capture_s
+        return seconds, shape
+
+
+def simulate(raw, tgt_tokens, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s,
+             buckets=16, slack=0.2):
+    """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
+    distinct shapes of the updates, tokens. One GPU (``ranks`` 1) is the reference."""
+    gpus = [Rank(buckets, slack) for _ in range(ranks)]
+    out = []
+    for epoch in range(1, epochs + 1):
+        shards = epoch_order(len(raw), ranks, epoch, seed, grouped)
+        seconds = straggle = 0.0
+        captures = same_shape = 0
+        for update in zip(*shards):
+            costs, shapes = [], []
+            for gpu, b in zip(gpus, update):
+                before = len(gpu.captured)
+                # fairseq's dummy batch (a short shard) repeats a real batch's work, loss * 0
+                c, s = gpu.step(raw[b if b is not None else update[0]], rate_s, capture_s)
+                captures += len(gpu.captured) - before
+                costs.append(c)
+                shapes.append(s)
+            seconds += max(costs) + (reduce_s if ranks > 1 else 0.0)
+            straggle += max(costs) - sum(costs) / len(costs)
+            same_shape += len(set(shapes)) == 1
+        updates = len(shards[0])
+        out.append(dict(epoch=epoch, seconds=seconds, straggler_s=straggle, captures=captures,
+                        updates=updates, same_shape_updates=same_shape / updates,
+                        tokens=int(sum(tgt_tokens))))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sentences", type=int, default=200000)
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--wps", type=float, default=328000.0,
+                    help="one GPU's target tokens/s replaying every shape (ls_ on an H200 in "
+                         "bench/multi_gpu.py's 1-GPU run, docs/PERFORMANCE.md)")
+    ap.add_argument("--capture-ms", type=float, default=100.0,
+                    help="a new shape's extra cost on its rank (bench/capture_cost.py: ~63 ms "
+                         "capture; plus a gradient-free forward and host work)")
+    ap.add_argument("--reduce-ms", type=float, default=1.5,
+                    help="all-reduce time per update not hidden under the backward")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+
+    out, src, tgt = fairseq_batches(a.sentences, a.max_tokens, a.seed)
+    raw = batch_shapes(out, src, tgt)
+    tgt_tokens = [int(tgt[b].sum()) for b in out]
+    # the rate of a token slot: one GPU replaying every shape runs --wps target tokens/s
+    slots = sum(token_slots(ShapeBuckets(16, 0.2).shape_for(r)) for r in raw)
+    rate_s = sum(tgt_tokens) / a.wps / slots
+    capture_s, reduce_s = a.capture_ms / 1000, a.reduce_ms / 1000
+    one = simulate(raw, tgt_tokens, 1, a.epochs, a.seed, False, rate_s, capture_s, reduce_s)
+    rows = []
+    print(f"{a.sentences:,} pairs, --max-tokens {a.max_tokens}: {len(raw):,} batches; one GPU "
+          f"{a.wps:,.0f} wps replaying; capture {a.capture_ms:g} ms, all-reduce "
+          f"{a.reduce_ms:g} ms\n")
+    print("| GPUs | shuffling | epoch | updates | scaling | straggler share | captures | "
+          "updates of one shape |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for n in a.gpus:
+        for grouped in (False, True):
+            sim = simulate(raw, tgt_tokens, n, a.epochs, a.seed, grouped, rate_s, capture_s,
+                           reduce_s)
+            for ref, e in zip(one, sim):
+                row = dict(gpus=n, grouped_shuffling=grouped, **e,
+                           scaling=ref["seconds"] / e["seconds"],
+                           straggler_share=e["straggler_s"] / e["seconds"])
+                rows.append(row)
+                print(f"| {n} | {'grouped' if grouped else 'fairseq default'} | {e['epoch']} | "
+                      f"{e['updates']} | {row['scaling']:.2f}x | {row['straggler_share']:.1%} | "
+                      f"{e['captures']} | {e['same_shape_updates']:.0%} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(args=vars(a), batches=len(raw), one_gpu=one, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
