@@ -4,7 +4,8 @@ Covers: every ls_ architecture trains with ls_label_smoothed_cross_entropy + ls_
 resumes from its checkpoint, and decodes with beam search; --memory-efficient-fp16; a checkpoint
 converted to fairseq's architecture generates the same hypotheses (fairseq-generate, and
 fairseq-interactive through ls_fairseq's own beam search); checkpoints load under
-torch>=2.6 without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD.
+torch>=2.6 without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD; several gloo workers log what one worker
+logs, and four workers' checkpoint resumes on one.
 """
 import os
 import random
@@ -222,11 +223,58 @@ def _stats(log):
     """The logged statistics of every train_inner line, without the timings, and the per-token
     ones of every valid line (fairseq averages a validation's sizes over its steps, and a step
     of N workers holds N batches)."""
-    train = [re.sub(r"(wps|ups|wall|train_wall)=[\d.]+", "", line)
+    train = [re.sub(r"(wps|ups|wall|train_wall|tflops)=[\d.]+", "", line)
              for line in re.findall(r"train_inner .*", log)]
     valid = [re.findall(r"\| ((?:loss|nll_loss|ppl|accuracy) [\d.]+)", line)
              for line in re.findall(r"valid on 'valid' subset .*", log)]
     return train, valid
+
+
+def _gloo_workers(cmd, workers):
+    """``cmd`` as ``workers`` gloo workers of one run (fairseq's own distributed engine, no
+    spawn); rank 0's output, after all exit."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--distributed-backend", "gloo", "--distributed-world-size", str(workers),
+            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
+    env = dict(_env(), OMP_NUM_THREADS="1")  # several processes on a 2-core CI machine
+    procs = [subprocess.Popen(cmd + args + ["--distributed-rank", str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in reversed(range(workers))]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-5000:]
+    return logs[-1]
+
+
+def test_four_cpu_workers_checkpoint_resumes_on_one_worker(data_bin, tmp_path):
+    """Four gloo workers train two epochs and save; one worker with update-freq 4 (the same
+    batches per update) resumes from that checkpoint for a third epoch. Both halves log what one
+    worker with update-freq 4 logs when it trains two epochs, saves and resumes, to the printed
+    digit: ls_adam's state, the loss scaler and the schedule move between world sizes. (The
+    reference resumes too: a resumed fairseq run, plain fairseq's as well, does not repeat an
+    uninterrupted one to the digit.)"""
+    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp"]
+    more = ["--max-tokens", "300", "--weight-decay", "0", "--log-interval", "1",
+            "--disable-validation"]
+
+    def cmd(save_dir, epochs, *flags):
+        return train_cmd(data_bin, tmp_path / save_dir, "ls_transformer", extra, 0,
+                         more=more + ["--max-epoch", str(epochs), *flags])
+
+    four = _gloo_workers(cmd("four", 2), 4)
+    resumed = run(cmd("four", 3, "--update-freq", "4"))
+    assert re.search(r"Loaded checkpoint \S+ \(epoch \d+ @ 6 updates\)", resumed), \
+        re.findall(".*Loaded checkpoint.*", resumed)
+    one = run(cmd("one", 2, "--update-freq", "4"))
+    one_resumed = run(cmd("one", 3, "--update-freq", "4"))
+    (train_4, _), (train_r, _) = _stats(four), _stats(resumed)
+    (train_1, _), (train_1r, _) = _stats(one), _stats(one_resumed)
+    assert len(train_4) == 6 and len(train_r) == 3
+    assert train_4 == train_1 and train_r == train_1r
 
 
 def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp_path):
@@ -235,26 +283,13 @@ def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp
     validation figures as one worker with update-freq 2, to the last printed digit. (Without
     them fairseq cannot even run this on CPUs: its all_gather_list needs CUDA. legacy_ddp:
     fairseq gives torch DDP a GPU device id even on the CPU.)"""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
              "--ddp-backend", "legacy_ddp"]
-    args = ["--distributed-backend", "gloo", "--distributed-world-size", "2",
-            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
-    env = dict(_env(), OMP_NUM_THREADS="1")  # two processes on a 2-core CI machine
     cmd = train_cmd(data_bin, tmp_path, "ls_transformer", extra, 30,
                     more=["--max-tokens", "300", "--weight-decay", "0"])
-    workers = [subprocess.Popen(cmd + args + ["--distributed-rank", str(rank)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for rank in (1, 0)]
-    logs = [w.communicate(timeout=600)[0] for w in workers]
-    for w, log in zip(workers, logs):
-        assert w.returncode == 0, log[-5000:]
+    two = _gloo_workers(cmd, 2)
     one = run(cmd + ["--update-freq", "2"])
-    (train, valid), (train_1, valid_1) = _stats(logs[1]), _stats(one)
+    (train, valid), (train_1, valid_1) = _stats(two), _stats(one)
     assert len(train) == len(train_1) == 6 and len(valid) == len(valid_1) == 5
     assert all(len(v) == 4 for v in valid)
     assert train == train_1 and valid == valid_1
