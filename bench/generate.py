@@ -588,6 +588,10 @@ def parse_args(argv):
         p.error("no CUDA device visible (torch.cuda.is_available() is False): this benchmark "
                 "measures GPU decoding; --device cpu --size tiny --dtypes fp32 checks the "
                 "pipeline on the CPU")
+    if a.floor_batch < 0 or a.floor_batch in a.batches:
+        p.error(f"--floor-batch {a.floor_batch}: a batch size >= 1 other than those of "
+                f"--batches {a.batches} (fairseq against itself at the same batch is the same "
+                "run), or 0 for none")
     if a.data and not a.checkpoint_ls:
         p.error("--data goes with --checkpoint-ls")
     if a.checkpoint_ls and not os.path.isfile(a.checkpoint_ls):

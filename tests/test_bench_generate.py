@@ -245,6 +245,11 @@ def test_start_up_checks(monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit):
         generate.main(["--device", "cpu", "--dtypes", "fp32", "--sizes", "huge"])
     assert "unknown size/dtype ['huge']" in capsys.readouterr().err
+    for floor in ("128", "-1"):
+        with pytest.raises(SystemExit):
+            generate.main(["--device", "cpu", "--dtypes", "fp32", "--batches", "1,128",
+                           "--floor-batch", floor])
+        assert f"--floor-batch {floor}: a batch size" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # nothing was started
     a = generate.parse_args(["--device", "cpu", "--size", "tiny", "--dtypes", "fp32",
                              "--batches", "1,16"])
