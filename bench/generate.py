@@ -42,10 +42,13 @@ is printed as ``GENERATE_ROW {...}`` and both files are rewritten as soon as a r
 call cut off by its time limit keeps the rows it finished. Under the table, the issue's targets
 (ls_ ≥ 3x fairseq's sentences/s at big, fp16, beam 5, batch 128 and ≥ 2x at batch 1; fp32
 hypotheses identical; fp16 ≥ 99% identical and BLEU within 0.1) are checked for the rows present.
+``--floor-batch N`` decodes fairseq's side once more at batch N and adds the share of its lines
+that equal its own at the row's batch: in fp16, how closely fairseq agrees with itself.
 
 Examples (one H100; times are estimates, each with the corpus (~0.5 min) and the training of its
 sizes (~1 min base, ~2 min big) the first time a --workdir sees them, plus the extension's JIT
-build on a fresh machine; each decoding run also spends ~10-15 s loading fairseq and the model):
+build on a fresh machine; each decoding run also spends ~25-35 s starting fairseq and loading
+the model, so a batch-128 row takes ~1.5 minutes):
 
     # the target rows: big, fp16, beam 5, batch 128 and batch 1 (about 5 minutes)
     python bench/generate.py --sizes big --dtypes fp16 --beams 5 --batches 128,1 \\
