@@ -7,7 +7,8 @@ WMT14-like lengths, fairseq's ordering and ``batch_by_size``) are shuffled per e
 to N ranks as fairseq's ``EpochBatchIterator`` deals them (``ShardedIterator``: rank r takes
 batches r, r + N, ...), either shuffled one by one (fairseq's default) or in groups of N
 neighbouring batches (fairseq's own ``--grouped-shuffling``: the frozen batches are in length
-order, so the N batches of an update have similar lengths). Each rank pads its batches with its
+order, so the N batches of an update have similar lengths; the batches after the last full group
+come last, as ls_fairseq keeps them). Each rank pads its batches with its
 own ``ShapeBuckets`` (``--ls-shape-buckets 16``, slack 0.2, the criterion's defaults) and keeps
 CUDA graphs as the criterion's ``CapturePolicy`` does (first sighting, ``compact`` memory: every
 shape new to a rank is captured there).
@@ -43,13 +44,16 @@ from ls_fairseq.graphs.shape_buckets import ShapeBuckets, token_slots  # noqa: E
 def epoch_order(n_batches, ranks, epoch, seed, grouped):
     """The batch indices of an epoch in fairseq's order (``ordered_batches``: numpy's legacy
     shuffle under ``numpy_seed(seed + epoch)``, by groups of ``ranks`` with ``grouped``), and
-    each rank's share (``ShardedIterator``; a short shard gets None, fairseq's dummy batch)."""
+    each rank's share (``ShardedIterator``; a short shard gets None, fairseq's dummy batch).
+    Grouped, the batches after the last full group come last, as ls_fairseq keeps them
+    (``fairseq_patches``, patch 6; fairseq itself drops them)."""
     batches = list(range(n_batches))
     state = np.random.RandomState(seed + epoch)
     if grouped:
-        groups = [batches[i * ranks:(i + 1) * ranks] for i in range(n_batches // ranks)]
+        full = n_batches // ranks
+        groups = [batches[i * ranks:(i + 1) * ranks] for i in range(full)]
         state.shuffle(groups)
-        batches = [b for g in groups for b in g]  # fairseq drops the last partial group too
+        batches = [b for g in groups for b in g] + batches[full * ranks:]
     else:
         state.shuffle(batches)
     per_rank = -(-len(batches) // ranks)

@@ -39,6 +39,13 @@ the docstring of each test file there says).
    generator with a fixed-shape beam search replayed as CUDA graphs, which falls back to
    fairseq's own loop for the options it does not cover. ``LS_FAIRSEQ_GENERATOR=fairseq``, other
    models and every other case: fairseq's method, unchanged.
+6. ``EpochBatchIterator.ordered_batches`` (``--grouped-shuffling`` keeps every batch): fairseq
+   shuffles the epoch's batches in groups of N (one per GPU) and drops the batches after the
+   last full group, the same ones every epoch: up to N - 1 batches of the longest sentences are
+   never trained on. Here they come last in the epoch, one per rank, and the ranks left
+   without one run fairseq's dummy batch (as for any epoch that does not divide by N). The full
+   groups keep fairseq's order. Without grouping, on one GPU, with ``fix_batches_to_gpus`` or a
+   prefetching dataset: fairseq's method, unchanged.
 """
 import functools
 import logging
@@ -156,6 +163,7 @@ def install() -> None:
     _patch_distributed_stats()
     _patch_load_checkpoint()
     _patch_build_generator()
+    _patch_grouped_shuffling()
 
 
 # ---- 4. Trainer.load_checkpoint -----------------------------------------------------------
@@ -250,3 +258,33 @@ def _patch_build_generator():
         return build_generator
 
     _wrap(FairseqTask, "build_generator", make)
+
+
+# ---- 6. EpochBatchIterator.ordered_batches ------------------------------------------------
+
+def remainder_of_groups(batches, shards: int, shard_id: int):
+    """What fairseq's grouped shuffling leaves out for ``shard_id``: the batches after the last
+    full group of ``shards``, one per rank in frozen order (``[]``, fairseq's dummy batch, for
+    the ranks past them); ``None`` when every batch is in a group."""
+    left = len(batches) % shards
+    if left == 0:
+        return None
+    tail = list(batches)[len(batches) - left:]
+    return tail[shard_id] if shard_id < left else []
+
+
+def _patch_grouped_shuffling():
+    from fairseq.data.iterators import EpochBatchIterator
+
+    def make(original):
+        @functools.wraps(original)
+        def ordered_batches(self, epoch, fix_batches_to_gpus, shuffle):
+            batches = original(self, epoch, fix_batches_to_gpus, shuffle)
+            if not (getattr(self, "grouped_shuffling", False) and shuffle
+                    and not fix_batches_to_gpus and not self._supports_prefetch):
+                return batches
+            extra = remainder_of_groups(self.frozen_batches, self.num_shards, self.shard_id)
+            return batches if extra is None else list(batches) + [extra]
+        return ordered_batches
+
+    _wrap(EpochBatchIterator, "ordered_batches", make)

@@ -1,8 +1,11 @@
 """Every change ls_fairseq makes to fairseq's classes (ls_fairseq/fairseq_patches.py), in one
 file: each patch is installed once, reaches fairseq's own method for runs it does not concern,
 and does what its docstring says. Patch 4 (resuming an unconverted checkpoint) is also run end to
-end in tests/test_bad_input.py, patch 3 with two gloo workers in tests/test_distributed_stats.py."""
+end in tests/test_bad_input.py, patch 3 with two gloo workers in tests/test_distributed_stats.py,
+patch 6 (the order it gives) also through bench/shard_balance.py in tests/test_shard_balance.py."""
 from types import SimpleNamespace
+
+import numpy as np
 
 import pytest
 import torch
@@ -82,3 +85,59 @@ def test_waits_for_the_gpu_only_before_a_logged_interval_of_a_deferred_run(
     trainer = _Trainer(num_updates, defers, device)
     assert fairseq_patches.wait_before_log(trainer, log_output) is waits
     assert len(calls) == int(waits)
+
+
+class _Indices(torch.utils.data.Dataset):
+    """Items are their indices (ordered_batches reads only the prefetch flag)."""
+    supports_prefetch = False
+
+    def __getitem__(self, i):
+        return i
+
+    def __len__(self):
+        return 10 ** 6
+
+
+def _epoch(n_batches, shards, epoch, original=False, **kwargs):
+    """Each rank's batch indices (None: fairseq's dummy batch) of one epoch, through the patched
+    ``ordered_batches`` or (``original``) fairseq's own."""
+    from fairseq.data import iterators
+
+    fairseq_patches.install()
+    method = iterators.EpochBatchIterator.ordered_batches
+    method = method.__wrapped__ if original else method
+    batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
+    out = []
+    for rank in range(shards):
+        itr = iterators.EpochBatchIterator(_Indices(), collate_fn=lambda x: x,
+                                           batch_sampler=batches, seed=5, num_shards=shards,
+                                           shard_id=rank, **kwargs)
+        out.append([None if len(b) == 0 else int(b[0])
+                    for b in method(itr, epoch, False, True)])
+    return out
+
+
+@pytest.mark.parametrize("n_batches", [1, 3, 8, 13, 31])
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_grouped_shuffling_keeps_the_batches_fairseq_drops(n_batches, shards):
+    """Patch 6: with --grouped-shuffling every batch of the epoch is dealt once: fairseq's order
+    for its full groups, then the batches after them one per rank (a dummy for the others), so
+    every rank takes as many steps as ``len(iterator)`` says. Without grouping: fairseq's own
+    order, unchanged."""
+    from fairseq.data import iterators
+
+    for epoch in (1, 2):
+        ours = _epoch(n_batches, shards, epoch, grouped_shuffling=True)
+        theirs = _epoch(n_batches, shards, epoch, original=True, grouped_shuffling=True)
+        full = n_batches // shards
+        assert [shard[:full] for shard in ours] == [shard[:full] for shard in theirs]
+        dealt = [b for shard in ours for b in shard if b is not None]
+        assert sorted(dealt) == list(range(n_batches))
+        steps = len(iterators.EpochBatchIterator(_Indices(), lambda x: x, [[0]] * n_batches,
+                                                 num_shards=shards))
+        assert all(len(shard) == steps for shard in ours)
+        if n_batches % shards:  # fairseq itself drops them
+            assert sorted(b for shard in theirs for b in shard if b is not None) == \
+                list(range(full * shards))
+        plain = _epoch(n_batches, shards, epoch)
+        assert plain == _epoch(n_batches, shards, epoch, original=True)

@@ -1,6 +1,7 @@
-"""bench/shard_balance.py: its epoch order is fairseq's (EpochBatchIterator.ordered_batches, with
-and without --grouped-shuffling, on 1, 2, 3 and 4 shards), and its model of the multi-GPU step
-behaves as its docstring says on a small corpus."""
+"""bench/shard_balance.py: its epoch order is that of fairseq's EpochBatchIterator.ordered_batches
+as ls_fairseq runs it (with and without --grouped-shuffling, whose remainder ls_fairseq keeps:
+fairseq_patches patch 6; on 1, 2, 3 and 4 shards), and its model of the multi-GPU step behaves
+as its docstring says on a small corpus."""
 import numpy as np
 import pytest
 import torch
@@ -49,6 +50,8 @@ def test_grouped_shuffling_keeps_each_ranks_batches():
     assert sets(False, 1) != sets(False, 2)
     for update in zip(*shard_balance.epoch_order(40, 4, 1, 1, True)):
         assert max(update) - min(update) == 3 and min(update) % 4 == 0
+    last = [shard[-1] for shard in shard_balance.epoch_order(42, 4, 3, 1, True)]
+    assert last == [40, 41, None, None]  # the remainder comes last; dummies fill the update
 
 
 def test_model_of_the_step():
