@@ -277,6 +277,36 @@ def test_four_cpu_workers_checkpoint_resumes_on_one_worker(data_bin, tmp_path):
     assert train_4 == train_1 and train_r == train_1r
 
 
+def _epoch_totals(log):
+    """(updates, target tokens) of each epoch, from fairseq's end-of-epoch train lines (wpb is
+    the epoch's mean, printed to 0.1: the tokens are exact to within half an update's 0.1)."""
+    out, before = [], 0
+    for wpb, total in re.findall(r"\| train \| epoch \d+ .*\| wpb ([\d.]+) .*\| "
+                                 r"num_updates (\d+)", log):
+        updates, before = int(total) - before, int(total)
+        out.append((updates, float(wpb) * updates))
+    return out
+
+
+def test_grouped_shuffling_trains_on_every_batch(data_bin, tmp_path):
+    """fairseq's --grouped-shuffling drops the batches after the last full group of N every
+    epoch; with ls_fairseq loaded (fairseq_patches patch 6) five gloo workers train on all of
+    them: as many target tokens per epoch as one worker, in ceil(batches / 5) updates."""
+    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
+             "--ddp-backend", "legacy_ddp"]
+    more = ["--max-tokens", "300", "--max-epoch", "2", "--disable-validation"]
+    one = _epoch_totals(run(train_cmd(data_bin, tmp_path, "ls_transformer", extra, 0,
+                                      more=more)))
+    batches = one[0][0]
+    assert batches % 5, f"{batches} batches: no remainder to keep; change --max-tokens"
+    five = _epoch_totals(_gloo_workers(train_cmd(data_bin, tmp_path, "ls_transformer", extra, 0,
+                                                 more=more + ["--grouped-shuffling"]), 5))
+    assert [u for u, _ in one] == [batches] * 2
+    assert [u for u, _ in five] == [-(-batches // 5)] * 2
+    for (_, tokens_1), (updates, tokens_5) in zip(one, five):
+        assert abs(tokens_5 - tokens_1) <= 0.05 * (batches + updates), (one, five)
+
+
 def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp_path):
     """Async stats (on by default, no flag given) under fairseq's own distributed engine: two
     gloo workers (update-freq 1) log the same losses, accuracies, sizes, grad norms and
