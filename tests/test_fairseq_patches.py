@@ -12,7 +12,7 @@ import torch
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 from fairseq.trainer import Trainer
 
-from fairseq_helpers import fp16_optimizer_cfg
+from fairseq_helpers import IndexDataset, fp16_optimizer_cfg
 from ls_fairseq import fairseq_patches
 from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
@@ -87,17 +87,6 @@ def test_waits_for_the_gpu_only_before_a_logged_interval_of_a_deferred_run(
     assert len(calls) == int(waits)
 
 
-class _Indices(torch.utils.data.Dataset):
-    """Items are their indices (ordered_batches reads only the prefetch flag)."""
-    supports_prefetch = False
-
-    def __getitem__(self, i):
-        return i
-
-    def __len__(self):
-        return 10 ** 6
-
-
 def _epoch(n_batches, shards, epoch, original=False, **kwargs):
     """Each rank's batch indices (None: fairseq's dummy batch) of one epoch, through the patched
     ``ordered_batches`` or (``original``) fairseq's own."""
@@ -109,7 +98,7 @@ def _epoch(n_batches, shards, epoch, original=False, **kwargs):
     batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
     out = []
     for rank in range(shards):
-        itr = iterators.EpochBatchIterator(_Indices(), collate_fn=lambda x: x,
+        itr = iterators.EpochBatchIterator(IndexDataset(), collate_fn=lambda x: x,
                                            batch_sampler=batches, seed=5, num_shards=shards,
                                            shard_id=rank, **kwargs)
         out.append([None if len(b) == 0 else int(b[0])
@@ -133,7 +122,7 @@ def test_grouped_shuffling_keeps_the_batches_fairseq_drops(n_batches, shards):
         assert [shard[:full] for shard in ours] == [shard[:full] for shard in theirs]
         dealt = [b for shard in ours for b in shard if b is not None]
         assert sorted(dealt) == list(range(n_batches))
-        steps = len(iterators.EpochBatchIterator(_Indices(), lambda x: x, [[0]] * n_batches,
+        steps = len(iterators.EpochBatchIterator(IndexDataset(), lambda x: x, [[0]] * n_batches,
                                                  num_shards=shards))
         assert all(len(shard) == steps for shard in ours)
         if n_batches % shards:  # fairseq itself drops them

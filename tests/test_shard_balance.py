@@ -4,21 +4,11 @@ fairseq_patches patch 6; on 1, 2, 3 and 4 shards), and its model of the multi-GP
 as its docstring says on a small corpus."""
 import numpy as np
 import pytest
-import torch
 from fairseq.data import iterators
 
+from fairseq_helpers import IndexDataset
+
 import shard_balance  # bench/ (pytest.ini's pythonpath)
-
-
-class _Indices(torch.utils.data.Dataset):
-    """A dataset whose items are their indices (ordered_batches reads only its prefetch flag)."""
-    supports_prefetch = False
-
-    def __getitem__(self, i):
-        return i
-
-    def __len__(self):
-        return 10 ** 6
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -31,7 +21,7 @@ def test_epoch_order_is_fairseqs(grouped, shards, n_batches):
         assert len(ours) == shards
         for rank in range(shards):
             itr = iterators.EpochBatchIterator(
-                _Indices(), collate_fn=lambda x: x, batch_sampler=batches, seed=3,
+                IndexDataset(), collate_fn=lambda x: x, batch_sampler=batches, seed=3,
                 num_shards=shards, shard_id=rank, grouped_shuffling=grouped)
             theirs = itr.ordered_batches(epoch, fix_batches_to_gpus=False, shuffle=True)
             # fairseq's short shard gets [] (its trainer then runs a dummy batch): our None

@@ -28,6 +28,18 @@ def make_dictionary(num_symbols=37):
     return d
 
 
+class IndexDataset(torch.utils.data.Dataset):
+    """Items are their indices: enough for fairseq's batch iterators, which read a dataset's
+    ``supports_prefetch`` flag and no item (tests of batch order)."""
+    supports_prefetch = False
+
+    def __getitem__(self, i):
+        return i
+
+    def __len__(self):
+        return 10 ** 6
+
+
 class DummyTask:
     def __init__(self, dictionary):
         self.source_dictionary = dictionary
