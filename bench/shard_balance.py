@@ -8,8 +8,8 @@ to N ranks as fairseq's ``EpochBatchIterator`` deals them (``ShardedIterator``: 
 batches r, r + N, ...), either shuffled one by one (fairseq's default) or in groups of N
 neighbouring batches (fairseq's own ``--grouped-shuffling``: the frozen batches are in length
 order, so the N batches of an update have similar lengths; the batches after the last full group
-come last, as ls_fairseq keeps them). Each rank pads its batches with its
-own ``ShapeBuckets`` (``--ls-shape-buckets 16``, slack 0.2, the criterion's defaults) and keeps
+come last, as ls_fairseq keeps them). The order is fairseq's own iterator's. Each rank pads its
+batches with its own ``ShapeBuckets`` (the criterion's default buckets and slack) and keeps
 CUDA graphs as the criterion's ``CapturePolicy`` does (first sighting, ``compact`` memory: every
 shape new to a rank is captured there).
 
@@ -34,38 +34,40 @@ import os
 import sys
 
 import numpy as np
+from fairseq.data import iterators
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shape_buckets import batch_shapes, fairseq_batches  # noqa: E402
 
+from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
+    LSLabelSmoothedCrossEntropyCriterionConfig as CriterionConfig,
+)
 from ls_fairseq.graphs.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
+from ls_fairseq.testing.fairseq_helpers import IndexDataset  # noqa: E402
+
+# the criterion's defaults: --ls-shape-buckets, --ls-shape-bucket-slack
+BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_bucket_slack
 
 
 def epoch_order(n_batches, ranks, epoch, seed, grouped):
-    """The batch indices of an epoch in fairseq's order (``ordered_batches``: numpy's legacy
-    shuffle under ``numpy_seed(seed + epoch)``, by groups of ``ranks`` with ``grouped``), and
-    each rank's share (``ShardedIterator``; a short shard gets None, fairseq's dummy batch).
-    Grouped, the batches after the last full group come last, as ls_fairseq keeps them
-    (``fairseq_patches``, patch 6; fairseq itself drops them)."""
-    batches = list(range(n_batches))
-    state = np.random.RandomState(seed + epoch)
-    if grouped:
-        full = n_batches // ranks
-        groups = [batches[i * ranks:(i + 1) * ranks] for i in range(full)]
-        state.shuffle(groups)
-        batches = [b for g in groups for b in g] + batches[full * ranks:]
-    else:
-        state.shuffle(batches)
-    per_rank = -(-len(batches) // ranks)
-    return [[batches[i] if i < len(batches) else None for i in range(r, per_rank * ranks, ranks)]
-            for r in range(ranks)]
+    """Each rank's batch indices of an epoch (None: fairseq's dummy batch), from fairseq's own
+    ``EpochBatchIterator.ordered_batches`` as ls_fairseq runs it: with ``grouped``
+    (``--grouped-shuffling``) the batches after the last full group come last instead of being
+    dropped (``fairseq_patches``, patch 6)."""
+    batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
+    return [[int(b[0]) if len(b) else None
+             for b in iterators.EpochBatchIterator(
+                 IndexDataset(), collate_fn=list, batch_sampler=batches, seed=seed,
+                 num_shards=ranks, shard_id=rank, grouped_shuffling=grouped,
+             ).ordered_batches(epoch, fix_batches_to_gpus=False, shuffle=True)]
+            for rank in range(ranks)]
 
 
 class Rank:
     """One GPU: its padding and the shapes it holds graphs for."""
 
-    def __init__(self, buckets, slack):
-        self.buckets = ShapeBuckets(buckets, slack)
+    def __init__(self):
+        self.buckets = ShapeBuckets(BUCKETS, SLACK)
         self.captured = set()
 
     def step(self, raw, rate_s, capture_s):
@@ -78,11 +80,10 @@ class Rank:
         return seconds, shape
 
 
-def simulate(raw, tgt_tokens, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s,
-             buckets=16, slack=0.2):
+def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s):
     """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
-    distinct shapes of the updates, tokens. One GPU (``ranks`` 1) is the reference."""
-    gpus = [Rank(buckets, slack) for _ in range(ranks)]
+    share of updates whose ranks ran one shape. One GPU (``ranks`` 1) is the reference."""
+    gpus = [Rank() for _ in range(ranks)]
     out = []
     for epoch in range(1, epochs + 1):
         shards = epoch_order(len(raw), ranks, epoch, seed, grouped)
@@ -102,8 +103,7 @@ def simulate(raw, tgt_tokens, ranks, epochs, seed, grouped, rate_s, capture_s, r
             same_shape += len(set(shapes)) == 1
         updates = len(shards[0])
         out.append(dict(epoch=epoch, seconds=seconds, straggler_s=straggle, captures=captures,
-                        updates=updates, same_shape_updates=same_shape / updates,
-                        tokens=int(sum(tgt_tokens))))
+                        updates=updates, same_shape_updates=same_shape / updates))
     return out
 
 
@@ -132,10 +132,10 @@ def main(argv=None):
     raw = batch_shapes(out, src, tgt)
     tgt_tokens = [int(tgt[b].sum()) for b in out]
     # the rate of a token slot: one GPU replaying every shape runs --wps target tokens/s
-    slots = sum(token_slots(ShapeBuckets(16, 0.2).shape_for(r)) for r in raw)
+    slots = sum(token_slots(ShapeBuckets(BUCKETS, SLACK).shape_for(r)) for r in raw)
     rate_s = sum(tgt_tokens) / a.wps / slots
     capture_s, reduce_s = a.capture_ms / 1000, a.reduce_ms / 1000
-    one = simulate(raw, tgt_tokens, 1, a.epochs, a.seed, False, rate_s, capture_s, reduce_s)
+    one = simulate(raw, 1, a.epochs, a.seed, False, rate_s, capture_s, reduce_s)
     rows = []
     print(f"{a.sentences:,} pairs, --max-tokens {a.max_tokens}: {len(raw):,} batches; one GPU "
           f"{a.wps:,.0f} wps replaying; capture {a.capture_ms:g} ms, all-reduce "
@@ -145,8 +145,7 @@ def main(argv=None):
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for n in a.gpus:
         for grouped in (False, True):
-            sim = simulate(raw, tgt_tokens, n, a.epochs, a.seed, grouped, rate_s, capture_s,
-                           reduce_s)
+            sim = simulate(raw, n, a.epochs, a.seed, grouped, rate_s, capture_s, reduce_s)
             for ref, e in zip(one, sim):
                 row = dict(gpus=n, grouped_shuffling=grouped, **e,
                            scaling=ref["seconds"] / e["seconds"],
@@ -157,7 +156,8 @@ def main(argv=None):
                       f"{e['captures']} | {e['same_shape_updates']:.0%} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(args=vars(a), batches=len(raw), one_gpu=one, rows=rows), f, indent=1)
+            json.dump(dict(args=vars(a), batches=len(raw), target_tokens=sum(tgt_tokens),
+                           one_gpu=one, rows=rows), f, indent=1)
     return rows
 
 

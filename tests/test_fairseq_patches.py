@@ -2,7 +2,7 @@
 file: each patch is installed once, reaches fairseq's own method for runs it does not concern,
 and does what its docstring says. Patch 4 (resuming an unconverted checkpoint) is also run end to
 end in tests/test_bad_input.py, patch 3 with two gloo workers in tests/test_distributed_stats.py,
-patch 6 (the order it gives) also through bench/shard_balance.py in tests/test_shard_balance.py."""
+patch 6 with five gloo workers in tests/test_end_to_end.py."""
 from types import SimpleNamespace
 
 import numpy as np
