@@ -484,9 +484,9 @@ def targets(rows):
         elif r["dtype"] == "fp16":
             d = (None if r.get("fairseq_bleu") is None or r.get("ls_bleu") is None
                  else r["ls_bleu"] - r["fairseq_bleu"])
-            floor = r.get("fairseq_floor_identical")
-            floor = ("" if floor is None else f"; fairseq against itself at batch "
-                     f"{r['floor_batch']}: {100 * floor:.1f}%")
+            floor = ("" if r.get("fairseq_floor_identical") is None else
+                     f"; fairseq against itself at batch {r['floor_batch']}: "
+                     f"{100 * r['fairseq_floor_identical']:.1f}%")
             out.append((f"{where}: {100 * r['identical']:.1f}% identical, Δ BLEU "
                         f"{fmt(d, '+.2f')} (target ≥ 99%, |Δ| ≤ {BLEU_EQUAL}{floor})",
                         d is not None and r["identical"] >= 0.99 and abs(d) <= BLEU_EQUAL))
