@@ -120,10 +120,12 @@ VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_grap
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",
                             flags=VARIANTS["ls_deferred"]["flags"] + ["--ls-async-stats"])
-# several GPUs: fairseq's --grouped-shuffling (the N batches of an update are neighbours in
-# length, and each rank keeps its batches from epoch to epoch; bench/shard_balance.py models
-# why that matters); on one GPU the same order as without it, so the 1-GPU figure is reused
-VARIANTS["ls_grouped"] = dict(_LS, single_gpu_as="ls", flags=["--grouped-shuffling"])
+# several GPUs: ls_ runs group an update's N batches by length by default (fairseq_patches,
+# patch 7); ls_fairseq_order turns that off (fairseq's dealing), and ls_grouped_fairseq passes
+# fairseq's own --grouped-shuffling instead (which also rebuilds the batches every epoch). On one
+# GPU each is the same run as ls (or the baseline), whose figure bench/multi_gpu.py reuses
+VARIANTS["ls_fairseq_order"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-grouped-shuffling"])
+VARIANTS["ls_grouped_fairseq"] = dict(_LS, single_gpu_as="ls", flags=["--grouped-shuffling"])
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",
                                             flags=["--grouped-shuffling"])

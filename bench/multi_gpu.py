@@ -186,6 +186,16 @@ def corpus(sentences, workers, workdir=None):
     return e2e.preprocess(workdir, workers)
 
 
+def visible_gpus():
+    """The GPUs a run may take, first ones first: the caller's CUDA_VISIBLE_DEVICES if set (two
+    benchmarks side by side on one host), else every GPU of the host."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given:
+        return [g.strip() for g in given.split(",") if g.strip()]
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training")
 
 
@@ -198,7 +208,7 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
     if updates:
         cmd += ["--max-update", str(updates)]
     env = e2e.train_env(variant)
-    env.update(CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
+    env.update(CUDA_VISIBLE_DEVICES=",".join(visible_gpus()[:gpus]),
                BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
     env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
@@ -519,8 +529,10 @@ def correctness(data, args):
     """Steps 1-3: (the text, the figures as data)."""
     out = []
     backend = args.correctness_backend
-    # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update
-    nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
+    # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update;
+    # fairseq's order on N GPUs (no length grouping), the batches of 1 GPU x update-freq N
+    nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
+              "--ls-no-grouped-shuffling"]
     multi_dir, single_dir = "/tmp/mg_multi", "/tmp/mg_single"
     for d in (multi_dir, single_dir):
         # an earlier call's checkpoint_last.pt would be resumed instead of training from scratch
@@ -573,7 +585,7 @@ def graphs_check(args, sentences=4000, updates=100):
     update that the ranks' grad norms agree (it stops the run if not). (the text, the data)"""
     data = corpus(sentences, args.workers)
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
-              "--no-save"]
+              "--no-save", "--ls-no-grouped-shuffling"]
     mt = args.max_tokens[0]
     logs = {}
     for gpus, freq in ((args.gpus, 1), (1, args.gpus)):

@@ -86,6 +86,10 @@ VARIANTS["ls_eager"] = dict(VARIANTS["ls"], flags=[
     "--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs", "--ls-no-deferred-overflow-check"])
 VARIANTS["ls_bf16"] = dict(VARIANTS["ls"], bf16=True)  # --bf16 instead of --fp16 (on a GPU)
 VARIANTS["ls_off"] = dict(VARIANTS["ls"], env={"LS_FAIRSEQ_KERNELS": "off"})
+# several GPUs: ``ls`` groups an update's N batches by length (fairseq_patches, patch 7);
+# ls_fairseq_order keeps fairseq's dealing, baseline_grouped is fairseq with its --grouped-shuffling
+VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-grouped-shuffling"])
+VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
 DEFAULT_VARIANTS = "baseline,arch,criterion,optimizer,ls,ls_bf16,ls_eager,ls_off"
 
 # model sizes: fairseq's transformer options (the ls_ architectures take the same)

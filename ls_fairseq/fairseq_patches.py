@@ -46,6 +46,18 @@ the docstring of each test file there says).
    without one run fairseq's dummy batch (as for any epoch that does not divide by N). The full
    groups keep fairseq's order. Without grouping, on one GPU, with ``fix_batches_to_gpus`` or a
    prefetching dataset: fairseq's method, unchanged.
+7. ``Trainer.get_train_iterator`` (length-grouped updates on several GPUs): fairseq deals each
+   epoch's shuffled batches to the GPUs anew, so an update's N batches differ in length (every
+   GPU waits for the one with the longest) and each GPU keeps meeting batch shapes its CUDA
+   graphs have not captured. For ls_ runs (``--criterion ls_label_smoothed_cross_entropy``) on
+   several GPUs of plain data parallelism, the training iterator shuffles in groups of N as
+   fairseq's ``--grouped-shuffling`` does: an update's N batches are neighbours in length and
+   each GPU keeps its batches from epoch to epoch. Unlike fairseq's flag, the batches are built
+   once and kept, as without the flag (fairseq's flag also rebuilds them at every epoch, which
+   took ~16 s an epoch on 200k sentence pairs), and the batches past the last full group are
+   kept by patch 6. One log line says so. ``--ls-no-grouped-shuffling``, one GPU, other
+   criterions, model parallelism and runs that pass ``--grouped-shuffling`` themselves:
+   fairseq's method, unchanged.
 """
 import functools
 import logging
@@ -164,6 +176,7 @@ def install() -> None:
     _patch_load_checkpoint()
     _patch_build_generator()
     _patch_grouped_shuffling()
+    _patch_train_iterator()
 
 
 # ---- 4. Trainer.load_checkpoint -----------------------------------------------------------
@@ -288,3 +301,50 @@ def _patch_grouped_shuffling():
         return ordered_batches
 
     _wrap(EpochBatchIterator, "ordered_batches", make)
+
+
+# ---- 7. Trainer.get_train_iterator ----------------------------------------------------------
+
+def groups_updates(trainer) -> bool:
+    """Whether patch 7 applies to ``trainer``'s run (see the module docstring)."""
+    from . import switches
+
+    mode = getattr(getattr(trainer, "_criterion", None), "ls_grouped_shuffling", switches.OFF)
+    if mode == switches.OFF or trainer.cfg.dataset.grouped_shuffling:
+        return False
+    workers = trainer.data_parallel_world_size
+    if workers <= 1:
+        return False
+    import torch.distributed as dist
+
+    if dist.is_initialized() and workers != dist.get_world_size():
+        switches.refuse_or_step_aside(
+            mode, "--ls-grouped-shuffling",
+            f"it needs plain data parallelism (the data-parallel group is every worker); this "
+            f"run has {workers} data-parallel workers of {dist.get_world_size()}", logger)
+        return False
+    return True
+
+
+def grouped_train_iterator(original):
+    """Patch 7's wrapper of ``Trainer.get_train_iterator`` (``original``: fairseq's method)."""
+    @functools.wraps(original)
+    def get_train_iterator(self, *args, **kwargs):
+        itr = original(self, *args, **kwargs)
+        if groups_updates(self):
+            itr.grouped_shuffling = True  # read by each epoch's ordered_batches
+            if not getattr(self, "_ls_grouped_logged", False):
+                self._ls_grouped_logged = True
+                logger.info(
+                    f"grouped shuffling: an update's {self.data_parallel_world_size} batches "
+                    f"are neighbours in length, and each GPU keeps its batches across epochs "
+                    f"(fairseq's --grouped-shuffling, with the batches built once); "
+                    f"--ls-no-grouped-shuffling for fairseq's order")
+        return itr
+    return get_train_iterator
+
+
+def _patch_train_iterator():
+    from fairseq.trainer import Trainer
+
+    _wrap(Trainer, "get_train_iterator", grouped_train_iterator)

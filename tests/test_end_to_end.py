@@ -256,8 +256,10 @@ def test_four_cpu_workers_checkpoint_resumes_on_one_worker(data_bin, tmp_path):
     worker with update-freq 4 logs when it trains two epochs, saves and resumes, to the printed
     digit: ls_adam's state, the loss scaler and the schedule move between world sizes. (The
     reference resumes too: a resumed fairseq run, plain fairseq's as well, does not repeat an
-    uninterrupted one to the digit.)"""
-    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp"]
+    uninterrupted one to the digit.) fairseq's order (--ls-no-grouped-shuffling): one worker
+    cannot group four workers' batches by length."""
+    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp",
+             "--ls-no-grouped-shuffling"]
     more = ["--max-tokens", "300", "--weight-decay", "0", "--log-interval", "1",
             "--disable-validation"]
 
@@ -307,14 +309,49 @@ def test_grouped_shuffling_trains_on_every_batch(data_bin, tmp_path):
         assert abs(tokens_5 - tokens_1) <= 0.05 * (batches + updates), (one, five)
 
 
+def test_several_workers_group_updates_by_length_by_default(data_bin, tmp_path):
+    """The plain ls_ command on three gloo workers groups each update's batches by length
+    (fairseq_patches patch 7): one log line says so; the batches are built once for all epochs
+    (fairseq's own --grouped-shuffling builds them anew every epoch, its log says); every batch
+    is trained on, as many target tokens per epoch as one worker in ceil(batches / 3) updates;
+    --ls-no-grouped-shuffling gives fairseq's order, whose updates differ."""
+    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
+             "--ddp-backend", "legacy_ddp"]
+    more = ["--max-tokens", "300", "--max-epoch", "3", "--disable-validation",
+            "--log-interval", "1"]
+
+    def cmd(*flags):
+        return train_cmd(data_bin, tmp_path, "ls_transformer", extra, 0, more=more + list(flags))
+
+    one = _epoch_totals(run(cmd()))
+    batches = one[0][0]
+    grouped = _gloo_workers(cmd(), 3)
+    assert grouped.count("grouped shuffling: an update's 3 batches are neighbours") == 1
+    assert grouped.count("creating new batches for epoch") == 1
+    totals = _epoch_totals(grouped)
+    assert [u for u, _ in totals] == [-(-batches // 3)] * 3
+    for (_, tokens_1), (updates, tokens_3) in zip(one, totals):
+        assert abs(tokens_3 - tokens_1) <= 0.05 * (batches + updates), (one, totals)
+    theirs = _gloo_workers(cmd("--grouped-shuffling"), 3)
+    assert "grouped shuffling: an update's" not in theirs
+    # epochs 1-3, and 4: fairseq-train builds the next epoch's iterator before it stops
+    assert theirs.count("creating new batches for epoch") == 4
+    plain = _gloo_workers(cmd("--ls-no-grouped-shuffling"), 3)
+    assert "grouped shuffling: an update's" not in plain
+    wpb = re.compile(r"train_inner .* wpb=([\d.]+)")
+    assert len(wpb.findall(plain)) == len(wpb.findall(grouped)) == 3 * -(-batches // 3)
+    assert wpb.findall(plain) != wpb.findall(grouped)
+
+
 def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp_path):
     """Async stats (on by default, no flag given) under fairseq's own distributed engine: two
     gloo workers (update-freq 1) log the same losses, accuracies, sizes, grad norms and
     validation figures as one worker with update-freq 2, to the last printed digit. (Without
     them fairseq cannot even run this on CPUs: its all_gather_list needs CUDA. legacy_ddp:
-    fairseq gives torch DDP a GPU device id even on the CPU.)"""
+    fairseq gives torch DDP a GPU device id even on the CPU. fairseq's order: one worker cannot
+    group two workers' batches by length.)"""
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
-             "--ddp-backend", "legacy_ddp"]
+             "--ddp-backend", "legacy_ddp", "--ls-no-grouped-shuffling"]
     cmd = train_cmd(data_bin, tmp_path, "ls_transformer", extra, 30,
                     more=["--max-tokens", "300", "--weight-decay", "0"])
     two = _gloo_workers(cmd, 2)

@@ -2,7 +2,7 @@
 file: each patch is installed once, reaches fairseq's own method for runs it does not concern,
 and does what its docstring says. Patch 4 (resuming an unconverted checkpoint) is also run end to
 end in tests/test_bad_input.py, patch 3 with two gloo workers in tests/test_distributed_stats.py,
-patch 6 with five gloo workers in tests/test_end_to_end.py."""
+patches 6 and 7 with gloo workers in tests/test_end_to_end.py."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +17,8 @@ from ls_fairseq import fairseq_patches
 from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
 PATCHED = [(Trainer, "train_step"), (Trainer, "_aggregate_logging_outputs"),
-           (Trainer, "_check_grad_norms"), (Trainer, "load_checkpoint")]
+           (Trainer, "_check_grad_norms"), (Trainer, "load_checkpoint"),
+           (Trainer, "get_train_iterator")]
 
 
 def test_installed_once_and_fairseqs_methods_stay_reachable():
@@ -130,3 +131,80 @@ def test_grouped_shuffling_keeps_the_batches_fairseq_drops(n_batches, shards):
                 list(range(full * shards))
         plain = _epoch(n_batches, shards, epoch)
         assert plain == _epoch(n_batches, shards, epoch, original=True)
+
+
+# ---- patch 7: length-grouped updates on several GPUs ----------------------------------------
+def _trainer(mode, workers, grouped_by_user=False):
+    criterion = SimpleNamespace() if mode is None else SimpleNamespace(ls_grouped_shuffling=mode)
+    return SimpleNamespace(_criterion=criterion, data_parallel_world_size=workers,
+                           cfg=SimpleNamespace(dataset=SimpleNamespace(
+                               grouped_shuffling=grouped_by_user)))
+
+
+@pytest.mark.parametrize("mode,workers,by_user,groups", [
+    ("auto", 2, False, True), ("on", 4, False, True), ("auto", 3, False, True),
+    ("off", 2, False, False),  # --ls-no-grouped-shuffling
+    ("auto", 1, False, False), ("on", 1, False, False),  # one GPU: nothing to group
+    ("auto", 2, True, False),  # the user's own --grouped-shuffling: fairseq's, as given
+    (None, 2, False, False),  # a criterion that is not ls_'s
+])
+def test_train_iterator_groups_ls_runs_on_several_workers(mode, workers, by_user, groups, caplog):
+    """Patch 7: the wrapper sets the iterator's grouping for ls_ runs on several workers, says
+    so once per trainer, and returns fairseq's iterator untouched for every other run."""
+    from fairseq.data import iterators
+
+    trainer = _trainer(mode, workers, by_user)
+    made = []
+
+    def fairseqs(self, epoch, **kwargs):  # stands for fairseq's get_train_iterator
+        made.append(iterators.EpochBatchIterator(
+            IndexDataset(), lambda x: x, [[0]] * 6, num_shards=workers,
+            grouped_shuffling=self.cfg.dataset.grouped_shuffling))
+        return made[-1]
+
+    wrapped = fairseq_patches.grouped_train_iterator(fairseqs)
+    with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
+        for epoch in (1, 2, 3):
+            itr = wrapped(trainer, epoch, load_dataset=False)
+            assert itr is made[-1]
+            assert itr.grouped_shuffling == (groups or by_user)
+    lines = [r.message for r in caplog.records if "grouped shuffling" in r.message]
+    assert len(lines) == (1 if groups else 0), lines
+
+
+def test_grouped_updates_refused_or_stepped_aside_under_model_parallelism(monkeypatch, caplog):
+    """Fewer data-parallel workers than processes (model parallelism): --ls-grouped-shuffling
+    is refused with the reason, the default steps aside with one line."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    with pytest.raises(ValueError, match="--ls-grouped-shuffling: it needs plain data"):
+        fairseq_patches.groups_updates(_trainer("on", 2))
+    with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
+        assert not fairseq_patches.groups_updates(_trainer("auto", 2))
+    assert any("ls-grouped-shuffling is off for this run" in r.message for r in caplog.records)
+
+
+def test_grouped_iterator_orders_as_fairseqs_grouped_shuffling():
+    """The grouping patch 7 sets after fairseq builds the iterator is fairseq's own: each epoch's
+    order equals that of an iterator built with --grouped-shuffling (patch 6 included), and a
+    rank keeps the same batches from epoch to epoch."""
+    from fairseq.data import iterators
+
+    fairseq_patches.install()
+    batches = [np.array([i], dtype=np.int64) for i in range(14)]
+    for rank in range(3):
+        late = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, batches, seed=5,
+                                            num_shards=3, shard_id=rank)
+        late.grouped_shuffling = True
+        built = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, batches, seed=5,
+                                             num_shards=3, shard_id=rank, grouped_shuffling=True)
+        kept = None
+        for epoch in (1, 2):
+            order = [list(b) for b in late.ordered_batches(epoch, False, True)]
+            assert order == [list(b) for b in built.ordered_batches(epoch, False, True)]
+            full = sorted(b[0] for b in order[:14 // 3])
+            assert all(b % 3 == rank for b in full)  # the rank-th batch of each group of 3
+            assert kept in (None, full)
+            kept = full

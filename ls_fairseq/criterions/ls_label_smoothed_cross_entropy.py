@@ -133,6 +133,20 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "GPU every update (the deferred overflow check is then off on several GPUs "
                   "too)"},
     )
+    ls_grouped_shuffling: bool = field(
+        default=False,
+        metadata={"help": "require length-grouped updates (on by default on several GPUs of "
+                  "plain data parallelism): the epoch's batches are shuffled in groups of one "
+                  "per GPU, as fairseq's --grouped-shuffling does, but built once and kept "
+                  "across epochs, so an update's batches are neighbours in length and each GPU "
+                  "keeps its batch shapes (ls_fairseq/fairseq_patches.py, patch 7); with this "
+                  "flag a run where they cannot apply is refused"},
+    )
+    ls_no_grouped_shuffling: bool = field(
+        default=False,
+        metadata={"help": "turn length-grouped updates off: fairseq's order (each epoch's "
+                  "shuffled batches dealt to the GPUs in turn)"},
+    )
 
 
 def log_model_flops(flops: float) -> None:
@@ -177,7 +191,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_cuda_graphs=False, ls_no_cuda_graphs=False, ls_cuda_graphs_capture="auto",
                  ls_cuda_graphs_memory="compact", ls_cuda_graphs_max=256,
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
-                 ls_async_stats=False, ls_no_async_stats=False):
+                 ls_async_stats=False, ls_no_async_stats=False,
+                 ls_grouped_shuffling=False, ls_no_grouped_shuffling=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
@@ -201,6 +216,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
         self.ls_async_stats = switches.resolve(ls_async_stats, ls_no_async_stats,
                                                "--ls-async-stats")
+        self.ls_grouped_shuffling = switches.resolve(
+            ls_grouped_shuffling, ls_no_grouped_shuffling, "--ls-grouped-shuffling")
 
     @staticmethod
     def _shape_buckets(task, steps, slack):
