@@ -153,7 +153,10 @@ if os.environ.get("BENCH_EPOCH_STAMPS") == "1":
 
         def reset_meters(name):
             if name == "train":
-                print(f"BENCH_EPOCH_END rank={_bench_rank()} {time.perf_counter()!r}", flush=True)
+                # one write: print's text and newline are two, and the ranks' lines interleave
+                sys.stdout.flush()
+                os.write(1, f"BENCH_EPOCH_END rank={_bench_rank()} {time.perf_counter()!r}\n"
+                         .encode())
             return reset(name)
 
         metrics.reset_meters = reset_meters
@@ -232,7 +235,10 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
 # what a run's log says
 # --------------------------------------------------------------------------------------------
 
-EPOCH_END = re.compile(r"^BENCH_EPOCH_END rank=(\d+) ([0-9.e+-]+)\s*$", re.M)
+# a stamp starts a line, or follows another stamp on it: runs of an earlier version wrote the
+# newline apart from the text, so two ranks' stamps could share a line
+EPOCH_END = re.compile(r"(?:^|(?<=\d))BENCH_EPOCH_END rank=(\d+) (\d+\.\d+)(?=BENCH_|\s|$)",
+                       re.M)
 RANK_MEMORY = re.compile(r"^BENCH_RANK_MEMORY rank=(\d+) reserved_max=(\d+) used_max=(\d+)\s*$",
                          re.M)
 

@@ -86,6 +86,20 @@ def test_epoch_throughput_is_tokens_over_the_wall_clock_between_epoch_ends():
     assert got["wps_by_epoch_fairseq"] == [236212.0, 421870.0, 435911.0]
 
 
+def test_stamps_that_share_a_line_are_read():
+    """Two ranks' stamps on one line (an earlier sitecustomize wrote each newline apart from its
+    text) still time the epochs; a stamp inside another program's line does not."""
+    merged = TWO_GPU_LOG.replace("BENCH_EPOCH_END rank=0 1022.5\n", "").replace(
+        "BENCH_EPOCH_END rank=1 1022.61\n", "BENCH_EPOCH_END rank=1 1022.61BENCH_EPOCH_END "
+        "rank=0 1022.5\n")
+    assert merged != TWO_GPU_LOG
+    assert multi_gpu.epoch_ends(merged) == STAMPS
+    got = multi_gpu.epoch_wps(merged)
+    assert got["wall_source"] == "epoch-end stamps"
+    assert got["wall_by_epoch_s"][1:] == pytest.approx([STAMPS[1] - STAMPS[0],
+                                                        STAMPS[2] - STAMPS[1]])
+
+
 def test_without_a_stamp_per_epoch_the_wall_fields_time_the_epochs():
     tokens = _tokens(EPOCHS)
     walls = [w for _, _, w in EPOCHS]
