@@ -33,6 +33,13 @@ def fairseq_checkpoint_types():
                   nodes.FloatNode, nodes.BooleanNode, omegaconf.Container]
     except ImportError:  # pragma: no cover - omegaconf is a fairseq dependency
         pass
+    try:  # a resume on several workers: rank 0 broadcasts the checkpoint's state, its tensors
+        # pickled as placeholders (fairseq.distributed.utils.broadcast_object)
+        from fairseq.distributed.utils import _TensorPlaceholder
+
+        types.append(_TensorPlaceholder)
+    except ImportError:  # pragma: no cover - fairseq without it pickles no placeholders
+        pass
     try:
         import numpy as np
 

@@ -343,6 +343,40 @@ def test_several_workers_group_updates_by_length_by_default(data_bin, tmp_path):
     assert wpb.findall(plain) != wpb.findall(grouped)
 
 
+def test_grouped_updates_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path):
+    """The default grouping across a resume (patch 7 groups the iterator before fairseq restores
+    its position in the epoch): two gloo workers stopped in the middle of epoch 2 and resumed
+    train on the same batches, update by update, as two workers that did not stop (each update's
+    wpb: its batches' token counts, whatever the weights); their checkpoint also resumes on one
+    worker with --update-freq 2."""
+    import shutil
+
+    extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp"]
+    more = ["--max-tokens", "300", "--max-epoch", "3", "--disable-validation",
+            "--log-interval", "1"]
+
+    def cmd(save_dir, max_update, *flags):
+        return train_cmd(data_bin, tmp_path / save_dir, "ls_transformer", extra, max_update,
+                         more=more + list(flags))
+
+    wpb = re.compile(r"train_inner .* wpb=([\d.]+)")
+    whole = _gloo_workers(cmd("whole", 0, "--no-save"), 2)
+    assert "grouped shuffling: an update's 2 batches" in whole
+    per_epoch = _epoch_totals(whole)[0][0]
+    stop = per_epoch + per_epoch // 2
+    cut = _gloo_workers(cmd("cut", stop), 2)
+    shutil.copytree(tmp_path / "cut", tmp_path / "one")
+    resumed = _gloo_workers(cmd("cut", 0), 2)
+    assert re.search(r"Loaded checkpoint \S+ \(epoch 2 @ %d updates\)" % stop, resumed), \
+        re.findall(".*Loaded checkpoint.*", resumed)
+    assert len(wpb.findall(whole)) == 3 * per_epoch
+    assert wpb.findall(cut) == wpb.findall(whole)[:stop]
+    assert wpb.findall(resumed) == wpb.findall(whole)[stop:]
+    one = run(cmd("one", 0, "--update-freq", "2"))
+    assert re.search(r"Loaded checkpoint \S+ \(epoch 2 @ %d updates\)" % stop, one)
+    assert "done training" in one
+
+
 def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp_path):
     """Async stats (on by default, no flag given) under fairseq's own distributed engine: two
     gloo workers (update-freq 1) log the same losses, accuracies, sizes, grad norms and
