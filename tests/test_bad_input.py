@@ -246,6 +246,9 @@ FLAG_CASES = [
      "pass one of them"),
     (["--ls-async-stats", "--ls-no-async-stats"],
      "--ls-async-stats and --ls-no-async-stats contradict each other: pass one of them"),
+    (["--ls-grouped-shuffling", "--ls-no-grouped-shuffling"],
+     "--ls-grouped-shuffling and --ls-no-grouped-shuffling contradict each other: pass one of "
+     "them"),
     (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"],
      "--ls-deferred-overflow-check needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
 ]
