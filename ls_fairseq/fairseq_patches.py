@@ -322,6 +322,7 @@ def groups_updates(trainer) -> bool:
             mode, "--ls-grouped-shuffling",
             f"it needs plain data parallelism (the data-parallel group is every worker); this "
             f"run has {workers} data-parallel workers of {dist.get_world_size()}", logger)
+        trainer._criterion.ls_grouped_shuffling = switches.OFF  # stepped aside: said once
         return False
     return True
 

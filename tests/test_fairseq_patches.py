@@ -181,9 +181,12 @@ def test_grouped_updates_refused_or_stepped_aside_under_model_parallelism(monkey
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     with pytest.raises(ValueError, match="--ls-grouped-shuffling: it needs plain data"):
         fairseq_patches.groups_updates(_trainer("on", 2))
+    trainer = _trainer("auto", 2)
     with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
-        assert not fairseq_patches.groups_updates(_trainer("auto", 2))
-    assert any("ls-grouped-shuffling is off for this run" in r.message for r in caplog.records)
+        assert not fairseq_patches.groups_updates(trainer)
+        assert not fairseq_patches.groups_updates(trainer)  # the next epoch's iterator
+    said = [r for r in caplog.records if "ls-grouped-shuffling is off for this run" in r.message]
+    assert len(said) == 1
 
 
 def test_grouped_iterator_orders_as_fairseqs_grouped_shuffling():
