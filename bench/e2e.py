@@ -264,6 +264,15 @@ print("BENCH_GEMM_TFLOPS", 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3) /
 """
 
 
+def visible_gpus(n):
+    """The first n GPUs of this process's CUDA_VISIBLE_DEVICES (0..n-1 when it is unset): the
+    ones a run of n GPUs takes, so two benchmarks can run side by side on one host."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is None:
+        return [str(i) for i in range(n)]
+    return [d.strip() for d in given.split(",") if d.strip()][:n]
+
+
 def gpu_names():
     """The GPUs' names from nvidia-smi, else from torch in a subprocess (this process holds no
     CUDA context while the runs measure memory), else ["cpu"]."""

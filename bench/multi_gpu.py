@@ -189,16 +189,6 @@ def corpus(sentences, workers, workdir=None):
     return e2e.preprocess(workdir, workers)
 
 
-def visible_gpus():
-    """The GPUs a run may take, first ones first: the caller's CUDA_VISIBLE_DEVICES if set (two
-    benchmarks side by side on one host), else every GPU of the host."""
-    given = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if given:
-        return [g.strip() for g in given.split(",") if g.strip()]
-    import torch
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training")
 
 
@@ -211,7 +201,7 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
     if updates:
         cmd += ["--max-update", str(updates)]
     env = e2e.train_env(variant)
-    env.update(CUDA_VISIBLE_DEVICES=",".join(visible_gpus()[:gpus]),
+    env.update(CUDA_VISIBLE_DEVICES=",".join(e2e.visible_gpus(gpus)),
                BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
     env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})

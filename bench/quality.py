@@ -172,14 +172,6 @@ def job_list(variants, seeds, port_base):
     return [(v, s, port_base + i) for i, (v, s) in enumerate(pairs)]
 
 
-def visible_gpus(n):
-    """The first n GPUs of this process's CUDA_VISIBLE_DEVICES (0..n-1 when it is unset)."""
-    given = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if given is None:
-        return [str(i) for i in range(n)]
-    return [d.strip() for d in given.split(",") if d.strip()][:n]
-
-
 def run_envs(a, variant):
     """The environments of fairseq-train and fairseq-generate for one run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **VARIANTS[variant].get("env", {}))
@@ -187,7 +179,7 @@ def run_envs(a, variant):
     # loader under torch >= 2.6; the same loader for every variant
     gen = dict(env, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
     if a.gpus > 1:
-        gpus = visible_gpus(a.gpus)
+        gpus = e2e.visible_gpus(a.gpus)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # fairseq spawns one process per device
         gen["CUDA_VISIBLE_DEVICES"] = gpus[0]
     return env, gen

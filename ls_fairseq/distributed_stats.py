@@ -53,27 +53,12 @@ from fairseq.distributed import utils as distributed_utils
 
 from . import switches
 from .host_copy import HostCopy
-from .workers import several_workers
 
 logger = logging.getLogger(__name__)
 
 
 def _applies(trainer) -> bool:
-    criterion = getattr(trainer, "_criterion", None)
-    mode = getattr(criterion, "ls_async_stats", switches.OFF)
-    if mode not in (switches.AUTO, switches.ON):
-        return False
-    if not several_workers():  # one process: nothing exchanged
-        return False
-    if trainer.data_parallel_world_size != dist.get_world_size():
-        switches.refuse_or_step_aside(
-            mode, "--ls-async-stats",
-            f"it needs plain data parallelism (the data-parallel group is every worker); this "
-            f"run has {trainer.data_parallel_world_size} data-parallel workers of "
-            f"{dist.get_world_size()} (model parallelism)", logger)
-        criterion.ls_async_stats = switches.OFF  # stepped aside for the run
-        return False
-    return True
+    return switches.data_parallel_switch(trainer, "ls_async_stats", "--ls-async-stats", logger)
 
 
 def host_group(trainer):

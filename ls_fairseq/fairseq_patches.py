@@ -309,22 +309,8 @@ def groups_updates(trainer) -> bool:
     """Whether patch 7 applies to ``trainer``'s run (see the module docstring)."""
     from . import switches
 
-    mode = getattr(getattr(trainer, "_criterion", None), "ls_grouped_shuffling", switches.OFF)
-    if mode == switches.OFF or trainer.cfg.dataset.grouped_shuffling:
-        return False
-    workers = trainer.data_parallel_world_size
-    if workers <= 1:
-        return False
-    import torch.distributed as dist
-
-    if dist.is_initialized() and workers != dist.get_world_size():
-        switches.refuse_or_step_aside(
-            mode, "--ls-grouped-shuffling",
-            f"it needs plain data parallelism (the data-parallel group is every worker); this "
-            f"run has {workers} data-parallel workers of {dist.get_world_size()}", logger)
-        trainer._criterion.ls_grouped_shuffling = switches.OFF  # stepped aside: said once
-        return False
-    return True
+    return not trainer.cfg.dataset.grouped_shuffling and switches.data_parallel_switch(
+        trainer, "ls_grouped_shuffling", "--ls-grouped-shuffling", logger)
 
 
 def grouped_train_iterator(original):

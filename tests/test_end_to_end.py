@@ -279,6 +279,10 @@ def test_four_cpu_workers_checkpoint_resumes_on_one_worker(data_bin, tmp_path):
     assert train_4 == train_1 and train_r == train_1r
 
 
+#: each logged update's wpb (--log-interval 1): its batches' target tokens, whatever the weights
+WPB = re.compile(r"train_inner .* wpb=([\d.]+)")
+
+
 def _epoch_totals(log):
     """(updates, target tokens) of each epoch, from fairseq's end-of-epoch train lines (wpb is
     the epoch's mean, printed to 0.1: the tokens are exact to within half an update's 0.1)."""
@@ -338,9 +342,8 @@ def test_several_workers_group_updates_by_length_by_default(data_bin, tmp_path):
     assert theirs.count("creating new batches for epoch") == 4
     plain = _gloo_workers(cmd("--ls-no-grouped-shuffling"), 3)
     assert "grouped shuffling: an update's" not in plain
-    wpb = re.compile(r"train_inner .* wpb=([\d.]+)")
-    assert len(wpb.findall(plain)) == len(wpb.findall(grouped)) == 3 * -(-batches // 3)
-    assert wpb.findall(plain) != wpb.findall(grouped)
+    assert len(WPB.findall(plain)) == len(WPB.findall(grouped)) == 3 * -(-batches // 3)
+    assert WPB.findall(plain) != WPB.findall(grouped)
 
 
 def test_grouped_updates_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path):
@@ -359,7 +362,6 @@ def test_grouped_updates_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path
         return train_cmd(data_bin, tmp_path / save_dir, "ls_transformer", extra, max_update,
                          more=more + list(flags))
 
-    wpb = re.compile(r"train_inner .* wpb=([\d.]+)")
     whole = _gloo_workers(cmd("whole", 0, "--no-save"), 2)
     assert "grouped shuffling: an update's 2 batches" in whole
     per_epoch = _epoch_totals(whole)[0][0]
@@ -369,9 +371,9 @@ def test_grouped_updates_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path
     resumed = _gloo_workers(cmd("cut", 0), 2)
     assert re.search(r"Loaded checkpoint \S+ \(epoch 2 @ %d updates\)" % stop, resumed), \
         re.findall(".*Loaded checkpoint.*", resumed)
-    assert len(wpb.findall(whole)) == 3 * per_epoch
-    assert wpb.findall(cut) == wpb.findall(whole)[:stop]
-    assert wpb.findall(resumed) == wpb.findall(whole)[stop:]
+    assert len(WPB.findall(whole)) == 3 * per_epoch
+    assert WPB.findall(cut) == WPB.findall(whole)[:stop]
+    assert WPB.findall(resumed) == WPB.findall(whole)[stop:]
     one = run(cmd("one", 0, "--update-freq", "2"))
     assert re.search(r"Loaded checkpoint \S+ \(epoch 2 @ %d updates\)" % stop, one)
     assert "done training" in one
