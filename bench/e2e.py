@@ -126,6 +126,10 @@ VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred"
 # GPU each is the same run as ls (or the baseline), whose figure bench/multi_gpu.py reuses
 VARIANTS["ls_fairseq_order"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-grouped-shuffling"])
 VARIANTS["ls_grouped_fairseq"] = dict(_LS, single_gpu_as="ls", flags=["--grouped-shuffling"])
+# several GPUs: ls_ all-reduces the gradient buckets by copy engines by default
+# (graphs/peer_all_reduce.py); ls_nccl_all_reduce keeps NCCL's all-reduce (same run on one GPU)
+VARIANTS["ls_nccl_all_reduce"] = dict(_LS, single_gpu_as="ls",
+                                      flags=["--ls-no-copy-engine-all-reduce"])
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",
                                             flags=["--grouped-shuffling"])

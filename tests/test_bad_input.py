@@ -249,6 +249,11 @@ FLAG_CASES = [
     (["--ls-grouped-shuffling", "--ls-no-grouped-shuffling"],
      "--ls-grouped-shuffling and --ls-no-grouped-shuffling contradict each other: pass one of "
      "them"),
+    (["--ls-copy-engine-all-reduce", "--ls-no-copy-engine-all-reduce"],
+     "--ls-copy-engine-all-reduce and --ls-no-copy-engine-all-reduce contradict each other: "
+     "pass one of them"),
+    (["--ls-copy-engine-all-reduce", "--ls-no-cuda-graphs"],
+     "--ls-copy-engine-all-reduce: it is part of the CUDA-graph engine; drop --ls-no-cuda-graphs"),
     (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"],
      "--ls-deferred-overflow-check needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
 ]

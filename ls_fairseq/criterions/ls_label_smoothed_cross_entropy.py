@@ -147,6 +147,20 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
         metadata={"help": "turn length-grouped updates off: fairseq's order (each epoch's "
                   "shuffled batches dealt to the GPUs in turn)"},
     )
+    ls_copy_engine_all_reduce: bool = field(
+        default=False,
+        metadata={"help": "require the copy-engine all-reduce (on by default with "
+                  "--ls-cuda-graphs on several GPUs of one host): the GPUs write the gradient "
+                  "buckets into each other's memory with their copy engines and each sums one "
+                  "shard, instead of NCCL's kernels, which take SMs from the backward "
+                  "(ls_fairseq/graphs/peer_all_reduce.py); with this flag a run where it cannot "
+                  "apply is refused"},
+    )
+    ls_no_copy_engine_all_reduce: bool = field(
+        default=False,
+        metadata={"help": "turn the copy-engine all-reduce off: NCCL's all-reduce of each "
+                  "gradient bucket"},
+    )
 
 
 def log_model_flops(flops: float) -> None:
@@ -192,7 +206,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_cuda_graphs_memory="compact", ls_cuda_graphs_max=256,
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
                  ls_async_stats=False, ls_no_async_stats=False,
-                 ls_grouped_shuffling=False, ls_no_grouped_shuffling=False):
+                 ls_grouped_shuffling=False, ls_no_grouped_shuffling=False,
+                 ls_copy_engine_all_reduce=False, ls_no_copy_engine_all_reduce=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
@@ -206,12 +221,17 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
         self.shape_buckets = self._shape_buckets(
             task, ls_shape_buckets, ls_shape_bucket_slack) if use_graphs else None
+        copy_engine = switches.resolve(ls_copy_engine_all_reduce, ls_no_copy_engine_all_reduce,
+                                       "--ls-copy-engine-all-reduce")
+        if copy_engine == switches.ON and not use_graphs:
+            raise ValueError("--ls-copy-engine-all-reduce: it is part of the CUDA-graph engine; "
+                             "drop --ls-no-cuda-graphs")
         first_sighting = captures_first_sighting(str(ls_cuda_graphs_capture),
                                                  padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
             max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
             capture_first_sighting=first_sighting, memory=str(ls_cuda_graphs_memory),
-            required=graphs == switches.ON) if use_graphs else None
+            required=graphs == switches.ON, copy_engine=copy_engine) if use_graphs else None
         self._flops_of = (None, None)  # (model, its TransformerFlops), see _model_flops
         # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
         self.ls_async_stats = switches.resolve(ls_async_stats, ls_no_async_stats,

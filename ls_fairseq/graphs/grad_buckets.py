@@ -60,12 +60,18 @@ class GradBuckets:
         ``ready[b]``: an event after which bucket ``b`` is complete, or None for "once the work
         queued so far on the current stream is done". ``reduce`` returns a ``torch.distributed``
         work handle (or None); the current stream waits for all of them (the host does not).
+        A ``reduce`` with a ``finish()`` method (``peer_all_reduce.PeerAllReduce``) has it
+        called after the last bucket, on the same stream; its work is waited for too.
         On CPU the buckets are reduced one after the other, now."""
+        finish = getattr(reduce, "finish", None)
         if not flats[0].is_cuda:
             for fi, lo, hi in self.buckets:
                 work = reduce(flats[fi][lo:hi])
                 if work is not None:
                     work.wait()
+            work = finish() if finish is not None else None
+            if work is not None:
+                work.wait()
             return
         current = torch.cuda.current_stream(flats[0].device)
         if self._side is None:
@@ -80,6 +86,9 @@ class GradBuckets:
             self._side.wait_event(event)
             with torch.cuda.stream(self._side):
                 works.append(reduce(flats[fi][lo:hi]))
+        if finish is not None:
+            with torch.cuda.stream(self._side):
+                works.append(finish())
         current.wait_stream(self._side)
         for work in works:
             if work is not None:

@@ -75,7 +75,7 @@ import torch
 
 from .. import switches
 from ..wrappers import data_parallel_of, grad_sync_due, innermost, is_torch_ddp, world_size
-from . import grad_buckets
+from . import grad_buckets, peer_all_reduce
 from .capture_policy import CapturePolicy
 from .flat_gradients import FlatGradients, register
 from .memory import MEMORY_CHOICES, GraphMemory
@@ -164,7 +164,7 @@ class CudaGraphedLoss:
 
     def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0,
                  capture_first_sighting: bool = False, memory: str = "compact",
-                 required: bool = False):
+                 required: bool = False, copy_engine: str = switches.AUTO):
         if not bucket_mb >= 0:  # NaN too
             raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
         if memory not in MEMORY_CHOICES:
@@ -172,6 +172,9 @@ class CudaGraphedLoss:
                              f", got {memory!r}")
         self.memory = memory
         self.required = required  # --ls-cuda-graphs given: where they cannot apply, refuse
+        # --ls-(no-)copy-engine-all-reduce: switches.AUTO / ON / OFF (peer_all_reduce.py)
+        self.copy_engine = copy_engine
+        self._peer = None  # the copy-engine all-reduce; False: NCCL's; None: not decided yet
         self.off_reason = None  # why the graphs stepped aside for this run (see applies)
         self.max_graphs = max_graphs
         self.bucket_mb = bucket_mb  # 0: no all-reduce during the backward
@@ -386,8 +389,8 @@ class CudaGraphedLoss:
             if is_torch_ddp(ddp):  # DDP's hooks are idle: nobody else reduces these
                 self._all_reduce_each(ddp)
             return  # legacy DDP: a .grad someone else allocated; all_reduce_grads decides
-        reduce = self.reduce_bucket or grad_buckets.legacy_reduce(world_size(ddp),
-                                                                  ddp.process_group)
+        reduce = (self.reduce_bucket or self._peer_reduce(ddp)
+                  or grad_buckets.legacy_reduce(world_size(ddp), ddp.process_group))
         ready = pending.ready or [None] * len(buckets.buckets)
         buckets.issue(self._flats, ready, reduce)
         self.flat_gradients.all_reduced = True
@@ -396,6 +399,25 @@ class CudaGraphedLoss:
                         f"buckets (--ls-all-reduce-bucket-mb {self.bucket_mb:g}) as the backward "
                         f"completes them")
         self.stats["overlapped_all_reduce"] += 1
+
+    def _peer_reduce(self, ddp):
+        """The copy-engine all-reduce (``peer_all_reduce.py``), or None for NCCL's. Decided at
+        the first update, by every rank together (it exchanges the buffers' IPC handles)."""
+        if self._peer is None:
+            self._peer = False
+            if self.copy_engine != switches.OFF:
+                peer, reason = peer_all_reduce.create(self._flats, self._buckets.buckets,
+                                                      ddp.process_group)
+                if peer is None:
+                    switches.refuse_or_step_aside(self.copy_engine, peer_all_reduce.FLAG,
+                                                  reason, logger)
+                else:
+                    logger.info(f"{peer_all_reduce.FLAG[2:]}: the gradients travel between the "
+                                f"{peer.plan.world} GPUs by copy engines (peer memory), one sum "
+                                f"kernel per bucket shard; --ls-no-copy-engine-all-reduce for "
+                                f"NCCL's all-reduce")
+                    self._peer = peer
+        return self._peer or None
 
     def _all_reduce_each(self, ddp):
         """Under torch DDP, gradients not all in the flat buffers (a ``.grad`` someone else

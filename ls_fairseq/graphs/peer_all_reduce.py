@@ -1,0 +1,282 @@
+"""The gradient all-reduce by copy engines: GPUs of one host write into each other's memory.
+
+NCCL's all-reduce runs as kernels that hold SMs for as long as the data takes to cross NVLink;
+during the backward those SMs are missing from the backward's own kernels (``docs/PERFORMANCE.md``,
+"Several GPUs"). Here the GPUs' copy engines move the data, and the only kernel is one sum per
+shard (``ops.shard_reduce``). Used by the CUDA-graph engine (``replay.py``) for each gradient
+bucket of ``grad_buckets.GradBuckets``, on the same side stream and at the same points as the NCCL
+buckets it replaces.
+
+Each bucket (a span of a flat gradient buffer) is cut into ``world`` shards, shard ``k`` owned by
+rank ``k``. For bucket ``b``, on every rank ``r``, in stream order:
+
+1. **push**: rank ``r``'s copy of shard ``k`` goes into rank ``k``'s staging buffer, for every
+   ``k != r`` (a copy into peer memory: a copy engine carries it);
+2. **barrier**: a one-element NCCL all-reduce; when it completes, every rank's pushes of bucket
+   ``b`` have landed;
+3. **reduce**: shard ``r`` becomes (own + the ``world - 1`` staged copies, in rank order) /
+   world, accumulated in float32 and rounded once (``ops.shard_reduce``);
+4. **push the result**: shard ``r`` goes into every other rank's flat buffer, in place.
+
+After the last bucket one more barrier says every result has landed; the step's current stream
+waits for it. Each shard is reduced by one rank only, so every rank ends with the same bits.
+Staging holds, on rank ``r``, ``world - 1`` copies of its shards: (world - 1) / world of the
+gradients' size (210 MB for transformer big's fp16 gradients on 2 GPUs).
+
+The buffers are exchanged once, as CUDA IPC handles (``ops.peer_memory``), when the first update
+is all-reduced. Every rank then takes this path or none does (the decision is collective), as NCCL
+pairs the ranks' collectives by their order. It applies where every rank of the data-parallel
+group is a process of this host whose GPU this process can reach by peer access, with the
+extension built, NCCL, and 2 to 16 ranks; elsewhere NCCL's all-reduce runs, with one log line
+(``--ls-copy-engine-all-reduce`` refuses the run instead, ``--ls-no-copy-engine-all-reduce``
+keeps NCCL).
+"""
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..ops import peer_memory
+from ..ops._shard_reduce_cuda import MAX_PARTS
+from ..ops.shard_reduce import shard_reduce_
+from .flat_gradients import ALIGN
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--ls-copy-engine-all-reduce"
+
+
+class ShardPlan:
+    """Where every shard of every bucket lives, on every rank (the same on all of them).
+
+    ``buckets``: ``(flat index, lo, hi)`` per bucket, as ``GradBuckets.buckets``; ``numels``: the
+    flat buffers' sizes. ``shards[b][k]``: the ``(start, end)`` of bucket ``b``'s shard ``k`` in its
+    flat buffer (multiples of ``align`` elements, so every shard starts 16-byte aligned; the last
+    ones may be empty). Rank ``r``'s staging buffer for flat buffer ``f`` holds ``world - 1`` slots
+    of ``shard_numel[r][f]`` elements, one per other rank in rank order; ``offset[r][b]`` is where
+    bucket ``b``'s shard ``r`` sits inside a slot.
+    """
+
+    def __init__(self, buckets, numels, world: int, align: int = ALIGN):
+        self.buckets, self.world = list(buckets), world
+        self.shards = []
+        self.offset = [[0] * len(self.buckets) for _ in range(world)]
+        self.shard_numel = [[0] * len(numels) for _ in range(world)]
+        for b, (f, lo, hi) in enumerate(self.buckets):
+            step = -(-(hi - lo) // world)
+            step = -(-step // align) * align
+            cuts = [min(hi, lo + k * step) for k in range(world + 1)]
+            self.shards.append([(cuts[k], cuts[k + 1]) for k in range(world)])
+            for r in range(world):
+                self.offset[r][b] = self.shard_numel[r][f]
+                self.shard_numel[r][f] += cuts[r + 1] - cuts[r]
+
+    def slot(self, src: int, dst: int) -> int:
+        """The slot of ``dst``'s staging buffers that receives ``src``'s copies."""
+        return src if src < dst else src - 1
+
+    def staging_numel(self, rank: int, f: int) -> int:
+        return (self.world - 1) * self.shard_numel[rank][f]
+
+    def staged(self, src: int, dst: int, b: int):
+        """``(start, end)`` in ``dst``'s staging buffer (of bucket ``b``'s flat) of the copy of
+        ``dst``'s shard of bucket ``b`` that ``src`` pushes."""
+        f = self.buckets[b][0]
+        start = self.slot(src, dst) * self.shard_numel[dst][f] + self.offset[dst][b]
+        lo, hi = self.shards[b][dst]
+        return start, start + hi - lo
+
+
+class PeerAllReduce:
+    """The copy-engine all-reduce of one rank (see the module doc).
+
+    ``flats``: this rank's flat gradient buffers; ``staging``: its staging buffers (one per flat,
+    ``plan.staging_numel``); ``peer_flats[q]`` / ``peer_staging[q]``: rank ``q``'s buffers as this
+    process reaches them (peer memory on the GPU; the tensors themselves in the tests, which drive
+    several ranks in one process phase by phase). ``barrier()``: returns a work handle the current
+    stream can wait on, or None.
+    """
+
+    def __init__(self, plan, rank, flats, staging, peer_flats, peer_staging, barrier=None):
+        self.plan, self.rank = plan, rank
+        self.flats, self.staging = flats, staging
+        self.peer_flats, self.peer_staging = peer_flats, peer_staging
+        self.barrier = barrier
+        self._bucket_of = {}
+        for b, (f, lo, hi) in enumerate(plan.buckets):
+            self._bucket_of[(f, lo, hi)] = b
+
+    # -- the four phases of one bucket ---------------------------------------------------------
+
+    def push(self, b: int):
+        f = self.plan.buckets[b][0]
+        for q, staging in self.peer_staging.items():
+            lo, hi = self.plan.shards[b][q]
+            if hi > lo:
+                start, end = self.plan.staged(self.rank, q, b)
+                staging[f][start:end].copy_(self.flats[f][lo:hi], non_blocking=True)
+
+    def reduce(self, b: int):
+        f = self.plan.buckets[b][0]
+        lo, hi = self.plan.shards[b][self.rank]
+        if hi <= lo:
+            return
+        parts = []
+        for q in range(self.plan.world):
+            if q != self.rank:
+                start, end = self.plan.staged(q, self.rank, b)
+                parts.append(self.staging[f][start:end])
+        shard_reduce_(self.flats[f][lo:hi], parts, 1.0 / self.plan.world)
+
+    def push_result(self, b: int):
+        f = self.plan.buckets[b][0]
+        lo, hi = self.plan.shards[b][self.rank]
+        if hi > lo:
+            for flats in self.peer_flats.values():
+                flats[f][lo:hi].copy_(self.flats[f][lo:hi], non_blocking=True)
+
+    # -- GradBuckets.issue's reduce function ---------------------------------------------------
+
+    def bucket_index(self, bucket) -> int:
+        """The plan's index of ``bucket``, a view ``flats[f][lo:hi]``."""
+        for f, flat in enumerate(self.flats):
+            if bucket.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                lo = bucket.storage_offset() - flat.storage_offset()
+                return self._bucket_of[(f, lo, lo + bucket.numel())]
+        raise ValueError("ls_fairseq: a gradient bucket outside the flat buffers; please report "
+                         "this")
+
+    def __call__(self, bucket):
+        """Issues the all-reduce of ``bucket`` on the current (side) stream; no work to wait for
+        (the barrier of :meth:`finish` covers it)."""
+        b = self.bucket_index(bucket)
+        self.push(b)
+        self._wait(self.barrier())
+        self.reduce(b)
+        self.push_result(b)
+        return None
+
+    def finish(self):
+        """After the last bucket: the barrier whose completion means every result has landed."""
+        return self.barrier()
+
+    @staticmethod
+    def _wait(work):
+        if work is not None:
+            work.wait()  # NCCL: the current stream waits, not the host
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _local_check(flats, group):
+    """Why this rank cannot take the copy-engine path (empty: it can), before any exchange."""
+    world = dist.get_world_size(group)
+    if not all(f.is_cuda for f in flats):
+        return "the gradients are not on a CUDA device"
+    if dist.get_backend(group) != "nccl":
+        return f"it needs the NCCL backend, this run uses {dist.get_backend(group)}"
+    if not 2 <= world <= MAX_PARTS + 1:
+        return f"it takes 2 to {MAX_PARTS + 1} GPUs, this run has {world}"
+    if any(f.dtype not in (torch.float16, torch.bfloat16, torch.float32) for f in flats):
+        return "the gradients are not float16, bfloat16 or float32"
+    if not peer_memory.available(flats[0]):
+        return "the ls_fairseq CUDA extension is not available"
+    return ""
+
+
+def _visible_peers(infos, rank, device):
+    """Local device index of every other rank's GPU, or the reason one cannot be reached."""
+    by_uuid = {str(torch.cuda.get_device_properties(d).uuid): d
+               for d in range(torch.cuda.device_count())}
+    devices = {}
+    for q, info in enumerate(infos):
+        if q == rank:
+            continue
+        if info["host"] != infos[rank]["host"]:
+            return None, "the ranks are not all on one host"
+        d = by_uuid.get(info["uuid"])
+        if d is None:
+            return None, f"rank {q}'s GPU is not visible to rank {rank} (CUDA_VISIBLE_DEVICES)"
+        if d == device:
+            return None, f"ranks {rank} and {q} share one GPU"
+        if not torch.cuda.can_device_access_peer(device, d):
+            return None, f"rank {rank}'s GPU cannot reach rank {q}'s by peer access"
+        devices[q] = d
+    return devices, ""
+
+
+def create(flats, buckets, group):
+    """``(PeerAllReduce, "")`` when every rank of ``group`` can take the copy-engine path, else
+    ``(None, reason)``; the same answer on every rank. Collective: every rank calls it at the
+    same point (the engine: at the first update it all-reduces)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    reason = _local_check(flats, group)
+    if reason and not all(f.is_cuda for f in flats):
+        return None, reason  # CPU ranks (gloo): the same on every rank, no exchange needed
+    device = flats[0].device.index
+    info = {"reason": reason, "host": _host_id(),
+            "uuid": str(torch.cuda.get_device_properties(device).uuid)}
+    infos = [None] * world
+    dist.all_gather_object(infos, info, group=group)
+    reasons = [i["reason"] for i in infos if i["reason"]]
+    if reasons:
+        return None, reasons[0]
+    _, reason = _visible_peers(infos, rank, device)
+    reasons = _gather_reasons(reason, group, world)
+    if reasons:
+        return None, reasons[0]
+    plan = ShardPlan(buckets, [f.numel() for f in flats], world)
+    staging = [torch.zeros(max(plan.staging_numel(rank, f), 1), dtype=flat.dtype,
+                           device=flat.device) for f, flat in enumerate(flats)]
+    try:
+        exported = [peer_memory.export(t) for t in list(flats) + staging]
+        reason = ""
+    except RuntimeError as exc:  # e.g. expandable segments: no IPC handles
+        exported, reason = None, f"its buffers cannot be shared between processes ({exc})"
+    mine = {"exported": exported, "reason": reason}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    reasons = [e["reason"] for e in everyone if e["reason"]]
+    if reasons:
+        return None, reasons[0]
+    peer_flats, peer_staging, reason = {}, {}, ""
+    try:
+        for q in range(world):
+            if q == rank:
+                continue
+            views = peer_memory.open_segments(everyone[q]["exported"], device)
+            typed = [v[:_nbytes(t, n)].view(t.dtype) for v, t, n in zip(
+                views, list(flats) + staging,
+                [f.numel() for f in flats] + [plan.staging_numel(q, f) for f in range(len(flats))])]
+            peer_flats[q], peer_staging[q] = typed[:len(flats)], typed[len(flats):]
+    except RuntimeError as exc:
+        peer_flats, peer_staging = {}, {}
+        reason = f"opening another rank's memory failed ({exc})"
+    reasons = _gather_reasons(reason, group, world)
+    if reasons:
+        return None, reasons[0]
+    flag = torch.zeros(1, device=flats[0].device)
+
+    def barrier():
+        return dist.all_reduce(flag, group=group, async_op=True)
+
+    return PeerAllReduce(plan, rank, list(flats), staging, peer_flats, peer_staging,
+                         barrier), ""
+
+
+def _nbytes(t, numel):
+    return max(numel, 1) * t.element_size()
+
+
+def _gather_reasons(reason, group, world):
+    reasons = [None] * world
+    dist.all_gather_object(reasons, reason, group=group)
+    return [r for r in reasons if r]

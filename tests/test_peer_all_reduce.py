@@ -1,0 +1,166 @@
+"""The copy-engine all-reduce's plan and protocol (ls_fairseq/graphs/peer_all_reduce.py) on the CPU.
+
+Several ranks are simulated in one process: each rank's "peer memory" is the other ranks' tensors
+themselves, and the phases run for every rank before the next phase starts (what the barriers
+guarantee on the GPUs). The result must be fairseq's legacy all-reduce of the same buckets (sum of
+gradient / world size; bit for bit on 2 ranks, see tests/test_shard_reduce.py for more ranks) and
+the same bits on every rank. The real thing (CUDA IPC, copy engines, NCCL barriers) runs in
+tests/gpu/test_peer_all_reduce_cuda.py.
+"""
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ls_fairseq import switches
+from ls_fairseq.graphs import peer_all_reduce
+from ls_fairseq.graphs.flat_gradients import ALIGN, FlatGradients
+from ls_fairseq.graphs.grad_buckets import GradBuckets
+from ls_fairseq.graphs.peer_all_reduce import PeerAllReduce, ShardPlan
+
+
+def _model_params(dtype16=torch.float16):
+    """Parameters of odd sizes in two dtypes (two flat buffers), like a model with fp32 extras."""
+    shapes16 = [(37, 11), (1,), (513,), (64, 3), (5, 5, 5), (1000,), (3,)]
+    shapes32 = [(17,), (9, 7)]
+    ps = [torch.nn.Parameter(torch.zeros(s, dtype=dtype16)) for s in shapes16]
+    ps += [torch.nn.Parameter(torch.zeros(s, dtype=torch.float32)) for s in shapes32]
+    return ps
+
+
+def _simulate(world, bucket_bytes, dtype16=torch.float16, seed=0, rounds=1):
+    params = _model_params(dtype16)
+    grads = [FlatGradients(params) for _ in range(world)]
+    buckets = GradBuckets(grads[0].flats, grads[0].spans, bucket_bytes)
+    plan = ShardPlan(buckets.buckets, [f.numel() for f in grads[0].flats], world)
+    staging = [[torch.zeros(max(plan.staging_numel(r, f), 1), dtype=flat.dtype)
+                for f, flat in enumerate(grads[r].flats)] for r in range(world)]
+    ranks = [PeerAllReduce(plan, r, grads[r].flats, staging[r],
+                           {q: grads[q].flats for q in range(world) if q != r},
+                           {q: staging[q] for q in range(world) if q != r})
+             for r in range(world)]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(rounds):
+        inputs = []
+        for r in range(world):
+            for view, (f, off, n) in zip(grads[r].views, grads[r].spans):
+                sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+                view.copy_((sign * torch.exp(torch.rand(n, generator=g) * 6 - 3)).view_as(view))
+            inputs.append([flat.clone() for flat in grads[r].flats])
+        for b in range(len(plan.buckets)):
+            for phase in ("push", "reduce", "push_result"):
+                for rank in ranks:
+                    getattr(rank, phase)(b)
+    return grads, inputs, plan
+
+
+@pytest.mark.parametrize("world", (2, 3, 4, 5, 8))
+@pytest.mark.parametrize("bucket_bytes", (64, 1000, 2**20))
+def test_plan_tiles_every_bucket(world, bucket_bytes):
+    params = _model_params()
+    grads = FlatGradients(params)
+    buckets = GradBuckets(grads.flats, grads.spans, bucket_bytes)
+    plan = ShardPlan(buckets.buckets, [f.numel() for f in grads.flats], world)
+    for b, (f, lo, hi) in enumerate(plan.buckets):
+        shards = plan.shards[b]
+        assert shards[0][0] == lo and shards[-1][1] == hi
+        for (s0, e0), (s1, _) in zip(shards, shards[1:]):
+            assert e0 == s1 and s0 <= e0
+            assert (s0 - lo) % ALIGN == 0
+    for dst in range(world):
+        for f in range(len(grads.flats)):
+            used = torch.zeros(plan.staging_numel(dst, f), dtype=torch.int)
+            for b, (bf, _, _) in enumerate(plan.buckets):
+                if bf != f:
+                    continue
+                for src in range(world):
+                    if src != dst:
+                        start, end = plan.staged(src, dst, b)
+                        assert start % ALIGN == 0
+                        used[start:end] += 1
+            assert bool((used == 1).all())  # every staging slot element used exactly once
+
+
+@pytest.mark.parametrize("dtype16", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("bucket_bytes", (64, 1000, 2**20))
+def test_two_ranks_equal_fairseq_legacy_all_reduce(dtype16, bucket_bytes):
+    grads, inputs, _ = _simulate(2, bucket_bytes, dtype16)
+    for f in range(len(inputs[0])):
+        legacy = inputs[0][f] / 2 + inputs[1][f] / 2  # LegacyDistributedDataParallel's math
+        for r in range(2):
+            assert torch.equal(grads[r].flats[f], legacy)
+
+
+@pytest.mark.parametrize("world", (3, 4, 5))
+def test_every_rank_gets_the_same_mean(world):
+    grads, inputs, _ = _simulate(world, 1000, seed=world, rounds=2)
+    for f in range(len(inputs[0])):
+        for r in range(1, world):
+            assert torch.equal(grads[r].flats[f], grads[0].flats[f])
+        truth = torch.stack([x[f].double() for x in inputs]).mean(0)
+        tol = torch.finfo(grads[0].flats[f].dtype).eps * truth.abs() + 1e-6
+        assert bool(((grads[0].flats[f].double() - truth).abs() <= tol).all())
+
+
+def test_alignment_padding_stays_zero():
+    grads, _, _ = _simulate(3, 1000)
+    for flats in (g.flats for g in grads):
+        for flat, spans in ((f, [s for s in grads[0].spans if s[0] == i])
+                            for i, f in enumerate(flats)):
+            covered = torch.zeros(flat.numel(), dtype=torch.bool)
+            for _, off, n in spans:
+                covered[off:off + n] = True
+            assert bool((flat[~covered] == 0).all())
+
+
+def test_bucket_index_finds_each_bucket():
+    params = _model_params()
+    grads = FlatGradients(params)
+    buckets = GradBuckets(grads.flats, grads.spans, 1000)
+    plan = ShardPlan(buckets.buckets, [f.numel() for f in grads.flats], 2)
+    rank = PeerAllReduce(plan, 0, grads.flats, [], {}, {})
+    for b, (f, lo, hi) in enumerate(buckets.buckets):
+        assert rank.bucket_index(grads.flats[f][lo:hi]) == b
+    with pytest.raises(ValueError, match="outside the flat buffers"):
+        rank.bucket_index(torch.zeros(4))
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_cpu_gradients_keep_nccl_path_without_exchange(gloo_world_of_one):
+    grads = FlatGradients(_model_params())
+    buckets = GradBuckets(grads.flats, grads.spans, 1000)
+    peer, reason = peer_all_reduce.create(grads.flats, buckets.buckets, gloo_world_of_one)
+    assert peer is None and "not on a CUDA device" in reason
+
+
+def test_engine_steps_aside_or_refuses(gloo_world_of_one, caplog):
+    """The engine's decision (replay.CudaGraphedLoss._peer_reduce): AUTO steps aside with one
+    line, ON refuses naming the flag, OFF asks nothing."""
+    from ls_fairseq.graphs.replay import CudaGraphedLoss
+
+    class _DDP:
+        process_group = gloo_world_of_one
+
+    def engine(mode):
+        e = CudaGraphedLoss(copy_engine=mode)
+        model = torch.nn.Linear(3, 5)
+        e._setup(model)
+        return e
+
+    with caplog.at_level(logging.INFO):
+        e = engine(switches.AUTO)
+        assert e._peer_reduce(_DDP()) is None and e._peer_reduce(_DDP()) is None
+    lines = [r.getMessage() for r in caplog.records if "copy-engine-all-reduce" in r.getMessage()]
+    assert lines == ["ls-copy-engine-all-reduce is off for this run: the gradients are not on a "
+                     "CUDA device"]
+    with pytest.raises(ValueError, match="--ls-copy-engine-all-reduce: the gradients are not"):
+        engine(switches.ON)._peer_reduce(_DDP())
+    e = engine(switches.OFF)
+    assert e._peer_reduce(_DDP()) is None and e._peer is False
