@@ -11,9 +11,11 @@ Map:
 * ``capture_policy``: when a new shape is captured (``CapturePolicy``: --ls-cuda-graphs-capture);
 * ``flat_gradients``: the accumulators (``FlatGradients``) and ``flat_gradients_of(model)``;
 * ``grad_buckets`` / ``flat_all_reduce``: the all-reduce during the backward / after it;
+* ``peer_all_reduce``: a bucket's all-reduce by copy engines (GPUs of one host), instead of NCCL;
 * ``memory`` / ``shape_buckets``: the graphs' memory pool; batches padded to bucketed shapes.
 
-Imports: this package uses ``ls_fairseq.switches`` and ``ls_fairseq.wrappers`` only, never
+Imports: this package uses ``ls_fairseq.switches``, ``ls_fairseq.wrappers`` and, for the
+copy-engine all-reduce, ``ls_fairseq.ops`` (peer memory, the shard sum), never
 ``criterions``, ``optim`` or ``models`` (criterions and optim import it). Its one piece of
 process-wide state is the weak registry of ``flat_gradients`` (why: see there).
 """

@@ -14,6 +14,9 @@ queues every bucket's division and all-reduce on a side stream, each behind its 
 them while the rest of the backward goes on. The engine (``replay.py``) then sets the
 ``FlatGradients``' ``all_reduced``, so ls_adam's ``all_reduce_grads`` does not reduce them again.
 
+``reduce`` is fairseq's legacy reduction by NCCL (``legacy_reduce``) or, on GPUs of one host,
+the copy-engine all-reduce (``peer_all_reduce.PeerAllReduce``), which has a ``finish`` step.
+
 NCCL pairs the collectives of the ranks by their order, so every rank issues the same buckets in
 the same order at the same point of the update (the end of the backward of its last micro-batch),
 whether its step replayed a graph or ran eagerly. The result is fairseq's legacy all-reduce

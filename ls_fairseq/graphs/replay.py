@@ -49,7 +49,10 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   of the backward of an update's last micro-batch (replayed or eager) the buckets are all-reduced
   on a side stream, each as soon as its event fires, so the all-reduce runs under the rest of the
   backward; ls_adam's ``all_reduce_grads`` then finds the buffers done (``flat_all_reduce.py``).
-  The reduction is both wrappers' (divide by the world size, sum), in the gradients' dtype.
+  The reduction is both wrappers' (divide by the world size, sum), in the gradients' dtype. On
+  GPUs of one host with peer access the buckets travel by copy engines instead of NCCL's kernels
+  (``peer_all_reduce.py``: the same average, summed in float32; decided with every rank at the
+  first update).
 
   - fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``: ``--ls-all-reduce-bucket-mb 0`` leaves
     the whole all-reduce to ``all_reduce_grads`` instead.
