@@ -4,12 +4,12 @@
 // peer_export(t): a CPU uint8 tensor of kExportBytes: the IPC handle of the allocation that
 //   holds t (the caching allocator's segment: cudaIpcGetMemHandle wants the base of a cudaMalloc),
 //   t's byte offset in it and the segment's size.
-// peer_import(handle, device): that whole segment, opened in this process on `device` (a uint8
+// peer_import(exported, device, nbytes): that whole segment (nbytes: its size, as exported), opened in this process on `device` (a uint8
 //   CUDA tensor on this process's device, backed by the other GPU's memory through peer access),
 //   so that copies into it are device-to-device copies the copy engines carry over NVLink. The
 //   mapping is closed when the tensor's storage is freed. Open each segment once per process.
 //
-// Neither is differentiable nor traceable; they are plain utilities behind ls_fairseq's ops.
+// Neither is differentiable; their fakes (ops/_peer_memory_cuda.py) give the shapes only.
 #include <cstring>
 
 #include <torch/library.h>
@@ -44,7 +44,7 @@ at::Tensor peer_export(const at::Tensor& t) {
   return out;
 }
 
-at::Tensor peer_import(const at::Tensor& exported, int64_t device) {
+at::Tensor peer_import(const at::Tensor& exported, int64_t device, int64_t nbytes) {
   LSF_CHECK(exported.device().is_cpu() && exported.scalar_type() == at::kByte &&
                 exported.numel() == kExportBytes && exported.is_contiguous(),
             "peer_import: expected what peer_export returned (", kExportBytes,
@@ -54,6 +54,8 @@ at::Tensor peer_import(const at::Tensor& exported, int64_t device) {
   int64_t size = 0;
   std::memcpy(&handle, e, kHandleBytes);
   std::memcpy(&size, e + kHandleBytes + sizeof(int64_t), sizeof(int64_t));
+  LSF_CHECK(size == nbytes, "peer_import: nbytes (", nbytes, ") is not the exported size (", size,
+            ")");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
@@ -66,7 +68,7 @@ at::Tensor peer_import(const at::Tensor& exported, int64_t device) {
 
 TORCH_LIBRARY_FRAGMENT(ls_fairseq, m) {
   m.def("peer_export(Tensor t) -> Tensor");
-  m.def("peer_import(Tensor exported, int device) -> Tensor");
+  m.def("peer_import(Tensor exported, int device, int nbytes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ls_fairseq, CUDA, m) { m.impl("peer_export", &peer_export); }

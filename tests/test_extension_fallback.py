@@ -186,7 +186,8 @@ def test_ops_raise_on_cpu_under_require(monkeypatch):
 # once the extension is loaded (_extension.when_loaded) and imports without the extension.
 BINDINGS = ("_adam_cuda", "_attention_cuda", "_bias_act_dropout_cuda", "_bias_dropout_residual_cuda",
             "_bias_dropout_residual_layer_norm_cuda", "_cross_entropy_cuda", "_decode_attention_cuda",
-            "_embedding_cuda", "_fp8_quantize_cuda", "_layer_norm_cuda")
+            "_embedding_cuda", "_fp8_quantize_cuda", "_layer_norm_cuda", "_peer_memory_cuda",
+            "_shard_reduce_cuda")
 
 
 def test_when_loaded_runs_each_callback_once_after_a_successful_load(monkeypatch):
@@ -276,6 +277,12 @@ def test_supports_predicates():
     assert not emb.supports(tokens, tokens, E.double(), P)
     ce = _binding("_cross_entropy_cuda")
     assert ce.supports(torch.ones(2, 5, dtype=torch.bfloat16)) and not ce.supports(torch.ones(2, 5).double())
+    sr = _binding("_shard_reduce_cuda")
+    y = torch.ones(40, dtype=f16)
+    assert sr.supports(y, [y, y]) and sr.supports(y, []) and sr.supports(y.float(), [y.float()] * 15)
+    assert not sr.supports(y, [y.float()]) and not sr.supports(y, [y[:20]])
+    assert not sr.supports(y, [y] * 16) and not sr.supports(y.double(), [y.double()])
+    assert not sr.supports(y[::2], [y[::2]])
     attn = _binding("_attention_cuda")
     q = torch.ones(1, 2, 3, 4)
     assert attn.supports(q, q, q) and not attn.supports(q, q.half(), q)
@@ -315,6 +322,7 @@ def test_public_ops_dispatch_on_supports(monkeypatch):
         lambda qkv, *a: ops.attention_reference(*qkv.permute(2, 0, 3, 1, 4).unbind(0), *a)[0])
     rec("_adam_cuda", "adam_step_cuda", ops.adam_step_reference)
     rec("_decode_attention_cuda", "decode_attention_cuda", ops.decode_attention_reference)
+    rec("_shard_reduce_cuda", "shard_reduce_cuda", ops.shard_reduce_reference)
 
     def expect(fn, *args, kernel):
         calls.clear()
@@ -363,6 +371,9 @@ def test_public_ops_dispatch_on_supports(monkeypatch):
     expect(ops.decode_attention, qd.float(), kd.float(), kd.float(), rows, kernel=None)
     expect(ops.decode_attention, qd, kd, kd, rows.int(), kernel=None)
     expect(ops.decode_attention, qd[..., :16], kd[..., :16], kd[..., :16], rows, kernel=None)
+    expect(ops.shard_reduce_, x.clone(), [x, x], 1 / 3, kernel="shard_reduce_cuda")
+    expect(ops.shard_reduce_, x.clone(), [x] * 16, 1 / 17, kernel=None)  # beyond 15 parts
+    expect(ops.shard_reduce_, x64.clone(), [x64], 0.5, kernel=None)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.0, step=1)
     expect(lambda: ops.adam_step([x.clone()], [x], [x * 0], [x * 0], **hyper), kernel="adam_step_cuda")
     # the kernel entry points the optimizer and bench use go to the binding
@@ -515,6 +526,11 @@ with FakeTensorMode():
     calls["multi_tensor_adam"] = o.multi_tensor_adam([p], [p], [p], [p], [], None, None, None, found, 1e-3, 0.9, 0.98, 1e-8, 0.0, 1e-3, 1.0) is None
     sc = torch.empty(1, 2)
     calls["multi_tensor_adam_moment_max"] = o.multi_tensor_adam_moment_max([p], [p], [p.half()], [p.half()], None, sc, sc, found, sc, 0.9, 0.98, 1.0) is None
+    calls["shard_reduce_"] = o.shard_reduce_(x, [x, x], 1 / 3) is None
+    gpu = torch.empty(100, device="cuda:1")
+    calls["peer_export"] = tuple(o.peer_export(gpu).shape) == (80,)
+    seg = o.peer_import(torch.empty(80, dtype=torch.uint8), 1, 4096)
+    calls["peer_import"] = (seg.shape, seg.dtype, seg.device) == ((4096,), torch.uint8, torch.device("cuda", 1))
 bad = {n: ok for n, ok in calls.items() if ok is not True}
 assert not bad, bad
 # CompositeImplicitAutograd ops decompose into the ops above (checked under FakeTensorMode by

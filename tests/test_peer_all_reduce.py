@@ -164,3 +164,15 @@ def test_engine_steps_aside_or_refuses(gloo_world_of_one, caplog):
         engine(switches.ON)._peer_reduce(_DDP())
     e = engine(switches.OFF)
     assert e._peer_reduce(_DDP()) is None and e._peer is False
+
+
+def test_exported_fields_read_back():
+    """What csrc/peer_memory.cu's peer_export writes (handle, offset, size) is read back as such
+    (the GPU test exercises the real export and import)."""
+    from ls_fairseq.ops import _peer_memory_cuda as binding
+
+    handle = bytes(range(64))
+    exported = torch.cat([torch.tensor(list(handle), dtype=torch.uint8),
+                          torch.tensor([512, 3 << 33], dtype=torch.int64).view(torch.uint8)])
+    assert exported.numel() == binding.EXPORT_BYTES
+    assert binding.exported_fields(exported) == (handle, 512, 3 << 33)

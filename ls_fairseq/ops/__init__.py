@@ -28,6 +28,7 @@ from .layer_norm import (
     layer_norm_residual,
     layer_norm_residual_reference,
 )
+from .shard_reduce import shard_reduce_, shard_reduce_reference
 
 __all__ = [
     "adam_step",
@@ -51,6 +52,8 @@ __all__ = [
     "layer_norm_reference",
     "layer_norm_residual",
     "layer_norm_residual_reference",
+    "shard_reduce_",
+    "shard_reduce_reference",
     "transformer_embedding",
     "transformer_embedding_reference",
 ]

@@ -14,13 +14,14 @@ MAX_PARTS = 15
 
 
 def supports(out, parts) -> bool:
-    """Whether the kernel takes ``out`` and ``parts``: contiguous CUDA tensors of one float dtype
-    (float32/float16/bfloat16), device and size, at most :data:`MAX_PARTS` parts. Peer memory
-    (another GPU's, mapped into this process) counts as this process's device."""
-    return (out.is_cuda and out.is_contiguous() and out.dtype in _extension.KERNEL_DTYPES
+    """Whether the kernel takes ``out`` and ``parts`` (CUDA tensors, as ``use_kernels`` checks):
+    contiguous, of one float dtype (float32/float16/bfloat16) and size, at most
+    :data:`MAX_PARTS` parts. Peer memory (another GPU's, mapped into this process) is a tensor of
+    this process's device."""
+    return (out.is_contiguous() and out.dtype in _extension.KERNEL_DTYPES
             and len(parts) <= MAX_PARTS
-            and all(p.is_cuda and p.is_contiguous() and p.dtype == out.dtype
-                    and p.numel() == out.numel() for p in parts))
+            and all(p.is_contiguous() and p.dtype == out.dtype and p.numel() == out.numel()
+                    for p in parts))
 
 
 def _register():

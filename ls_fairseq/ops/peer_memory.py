@@ -10,11 +10,7 @@ engines carry over NVLink (or PCIe peer access), without kernels.
 CUDA only: there is no reference path, because there is nothing to compute. On the CPU, or without
 the extension, :func:`available` is False and the caller keeps NCCL.
 """
-import torch
-
 from . import _extension
-
-HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 
 
 def available(t) -> bool:
@@ -38,8 +34,7 @@ def open_segments(exported, device: int):
 
     opened, views = {}, []
     for e in exported:
-        handle = bytes(e[:HANDLE_BYTES].tolist())
-        offset = int(e[HANDLE_BYTES:HANDLE_BYTES + 8].view(torch.int64))
+        handle, offset, _ = cuda.exported_fields(e)
         if handle not in opened:
             opened[handle] = cuda.peer_import_cuda(e, device)
         views.append(opened[handle][offset:])
