@@ -686,30 +686,36 @@ def ranks_table(name, ranks):
 def scaling(data, args, on_row=None):
     """4: each --max-tokens (per GPU, update-freq 1) and --scaling-variants entry on 1 and N GPUs,
     --scaling-epochs whole epochs each; the rows of scaling_row, in order (on_row(rows) after
-    each run). A variant with single_gpu_as (flags that matter on several GPUs only) reuses that
-    variant's 1-GPU run of this call."""
+    each run). A variant with single_gpu_as (flags that matter on several GPUs only) runs one GPU
+    as that variant, once per call: the variant itself, listed before or after, reuses the run."""
     rows, single = [], {}  # (variant, backend, max-tokens) -> its 1-GPU row
     for mt in args.max_tokens:
         for spec in args.scaling_variants.split(","):
             variant, backend, *own = spec.split(":")
             epochs = int(own[0]) if own else args.scaling_epochs
+            base = e2e.VARIANTS[variant].get("single_gpu_as") or variant
             for gpus in (1, args.gpus):
-                same = (e2e.VARIANTS[variant].get("single_gpu_as"), backend, mt)
-                if gpus == 1 and same in single:
-                    row = dict(single[same], variant=variant, same_run_as=same[0])
+                key = (base, backend, mt)
+                if gpus == 1 and key in single:
+                    row = dict(single[key], variant=variant)
+                    if variant != base:
+                        row["same_run_as"] = base
                 else:
-                    d = f"/tmp/mg_{variant}_{backend}_{mt}_{gpus}"
+                    run = base if gpus == 1 else variant
+                    d = f"/tmp/mg_{run}_{backend}_{mt}_{gpus}"
                     os.makedirs(d, exist_ok=True)
                     log, error = "", None
                     try:
-                        log = train(data, variant, mt, gpus, 1, None, d, ["--no-save"], backend,
+                        log = train(data, run, mt, gpus, 1, None, d, ["--no-save"], backend,
                                     epochs=epochs)
                     except RuntimeError as e:  # keep the rest of the table; the log is in $OUT
                         error = str(e)[-500:]
-                        print(f"{variant} {mt} tokens {gpus} GPU(s) FAILED: {error}", flush=True)
-                    row = scaling_row(log, mt, variant, backend, gpus, epochs, error)
+                        print(f"{run} {mt} tokens {gpus} GPU(s) FAILED: {error}", flush=True)
+                    row = scaling_row(log, mt, run, backend, gpus, epochs, error)
                     if gpus == 1:
-                        single[(variant, backend, mt)] = row
+                        single[key] = row
+                        if run != variant:
+                            row = dict(row, variant=variant, same_run_as=base)
                 rows.append(row)
                 add_ratios(rows)
                 print(json.dumps(row), flush=True)

@@ -248,7 +248,8 @@ RUNS = {("baseline", 1): (400, 8000.0, [70.0, 40.0]), ("baseline", 2): (200, 160
         ("baseline_nocudnn", 1): (400, 8000.0, [45.0, 42.0]),
         ("baseline_nocudnn", 2): (200, 16000.0, [30.0, 23.0]),
         ("ls", 1): (400, 8000.0, [30.0, 16.0]), ("ls", 2): (200, 16000.0, [20.0, 8.5]),
-        ("ls_graphs", 1): (400, 8000.0, [30.0, 16.0]), ("ls_graphs", 2): (150, 16000.0, [1, 1])}
+        ("ls_graphs", 1): (400, 8000.0, [30.0, 16.0]), ("ls_graphs", 2): (150, 16000.0, [1, 1]),
+        ("ls_nccl_all_reduce", 2): (200, 16000.0, [21.0, 9.0])}
 
 
 def _steady(variant, gpus):
@@ -333,6 +334,22 @@ def test_scaling_rows_ratios_table_and_json(fake_runs, monkeypatch, tmp_path, ca
     # every 2-GPU run has 200 updates per epoch: no warning; 1-GPU runs 400
     assert "WARNING: ls_graphs (legacy_ddp), 2 GPU(s), max-tokens 8192: FAILED" in printed
     assert "updates per epoch, under the 200" not in printed
+
+
+def test_one_gpu_run_shared_by_a_variant_and_its_single_gpu_as(fake_runs, monkeypatch, tmp_path):
+    """ls_nccl_all_reduce is ls on one GPU: listed first, it runs one GPU as ls, and ls reuses
+    that run (one 1-GPU run per call, whichever comes first)."""
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-correctness",
+                                      "--json", str(tmp_path / "mg.json"), "--scaling-variants",
+                                      "ls_nccl_all_reduce:pytorch_ddp,ls:pytorch_ddp"])
+    multi_gpu.main()
+    assert [(c[0], c[2]) for c in fake_runs] == [("ls", 1), ("ls_nccl_all_reduce", 2), ("ls", 2)]
+    rows = json.loads((tmp_path / "mg.json").read_text())["scaling"]["rows"]
+    assert [(r["variant"], r["gpus"], r.get("same_run_as")) for r in rows] == [
+        ("ls_nccl_all_reduce", 1, "ls"), ("ls_nccl_all_reduce", 2, None), ("ls", 1, None),
+        ("ls", 2, None)]
+    assert rows[1]["scaling_steady"] == pytest.approx(_steady("ls_nccl_all_reduce", 2)[0]
+                                                      / _steady("ls", 1)[0])
 
 
 def test_fewer_than_200_updates_per_epoch_is_warned():
