@@ -176,3 +176,50 @@ def test_exported_fields_read_back():
                           torch.tensor([512, 3 << 33], dtype=torch.int64).view(torch.uint8)])
     assert exported.numel() == binding.EXPORT_BYTES
     assert binding.exported_fields(exported) == (handle, 512, 3 << 33)
+
+
+def _create_worker(rank, fail_stage):
+    """create() over two gloo workers with the CUDA-only pieces stood in for; rank 1 fails at
+    ``fail_stage`` (or nobody fails). Returns what create returned, by rank."""
+    from ls_fairseq.ops import peer_memory
+
+    def fails(stage, ok):
+        def fn(*args, **kwargs):
+            if rank == 1 and stage == fail_stage:
+                raise (RuntimeError if stage in ("export", "open") else KeyError)(
+                    f"stand-in failure at {stage}\nsecond line")
+            return ok(*args, **kwargs)
+        return fn
+
+    peer_all_reduce._on_cuda = lambda flats: True
+    peer_all_reduce._local_check = fails("check", lambda flats, group: "")
+    peer_all_reduce._visible_peers = fails("visible", lambda infos, r, d: ({1 - r: 1 - r}, ""))
+    peer_all_reduce.torch.cuda.get_device_properties = lambda d: type("P", (), {"uuid": rank})()
+    peer_memory.export = fails("export", lambda t: torch.zeros(80, dtype=torch.uint8))
+    peer_memory.open_segments = fails("open", lambda exported, device: [
+        torch.zeros(1 << 16, dtype=torch.uint8) for _ in exported])
+    grads = FlatGradients(_model_params())
+    buckets = GradBuckets(grads.flats, grads.spans, 1000)
+    peer, reason = peer_all_reduce.create(grads.flats, buckets.buckets, dist.group.WORLD)
+    return {"peer": peer is not None, "reason": reason,
+            "peers": sorted(peer.peer_flats) if peer is not None else None}
+
+
+@pytest.mark.parametrize("stage", [None, "check", "visible", "export", "open"])
+def test_create_is_collective_when_one_rank_fails(tmp_path, stage):
+    """Every rank gets the same answer, and a failure on one rank at any stage is that answer
+    (in one line), not an exception that would leave the other rank waiting in a collective."""
+    from fairseq_helpers import run_workers
+
+    results = run_workers(tmp_path, _create_worker, stage)
+    assert results[0] == results[1] or stage is None
+    if stage is None:
+        assert [r["peer"] for r in results] == [True, True] and results[0]["reason"] == ""
+        assert [r["peers"] for r in results] == [[1], [0]]
+        return
+    assert not results[0]["peer"] and "stand-in failure at " + stage in results[0]["reason"]
+    assert "\n" not in results[0]["reason"]  # one log line
+    if stage == "export":
+        assert results[0]["reason"].startswith("its buffers cannot be shared between processes")
+    if stage == "open":
+        assert results[0]["reason"].startswith("opening another rank's memory failed")

@@ -176,6 +176,10 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _on_cuda(flats) -> bool:
+    return all(f.is_cuda for f in flats)
+
+
 def _local_check(flats, group):
     """Why this rank cannot take the copy-engine path (empty: it can), before any exchange."""
     world = dist.get_world_size(group)
@@ -216,67 +220,96 @@ def _visible_peers(infos, rank, device):
 def create(flats, buckets, group):
     """``(PeerAllReduce, "")`` when every rank of ``group`` can take the copy-engine path, else
     ``(None, reason)``; the same answer on every rank. Collective: every rank calls it at the
-    same point (the engine: at the first update it all-reduces)."""
+    same point (the engine: at the first update it all-reduces). A rank's local failure becomes
+    its reason, never an exception between two collectives (the other ranks would wait in the
+    next one for good)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    reason = _local_check(flats, group)
-    if reason and not all(f.is_cuda for f in flats):
-        return None, reason  # CPU ranks (gloo): the same on every rank, no exchange needed
+    if not _on_cuda(flats):
+        # CPU ranks (gloo): the same on every rank, no exchange needed
+        return None, "the gradients are not on a CUDA device"
     device = flats[0].device.index
-    info = {"reason": reason, "host": _host_id(),
-            "uuid": str(torch.cuda.get_device_properties(device).uuid)}
-    infos = [None] * world
-    dist.all_gather_object(infos, info, group=group)
-    reasons = [i["reason"] for i in infos if i["reason"]]
-    if reasons:
-        return None, reasons[0]
-    _, reason = _visible_peers(infos, rank, device)
-    reasons = _gather_reasons(reason, group, world)
-    if reasons:
-        return None, reasons[0]
+
+    # 1. each rank's own conditions, its host and its GPU
+    info, failed = _attempt(lambda: {
+        "reason": _local_check(flats, group), "host": _host_id(),
+        "uuid": str(torch.cuda.get_device_properties(device).uuid)})
+    infos = _everyone(info or {"reason": failed}, group, world)
+    reason = _first_reason(infos)
+    # 2. every other rank's GPU reachable from this one
+    if not reason:
+        found, failed = _attempt(lambda: _visible_peers(infos, rank, device))
+        reason = failed or found[1]
+    reason = _first_reason(_everyone({"reason": reason}, group, world))
+    if reason:
+        return None, reason
+    # 3. staging buffers, and the IPC handles of every buffer
     plan = ShardPlan(buckets, [f.numel() for f in flats], world)
-    staging = [torch.zeros(max(plan.staging_numel(rank, f), 1), dtype=flat.dtype,
-                           device=flat.device) for f, flat in enumerate(flats)]
-    try:
-        exported = [peer_memory.export(t) for t in list(flats) + staging]
-        reason = ""
-    except RuntimeError as exc:  # e.g. expandable segments: no IPC handles
-        exported, reason = None, f"its buffers cannot be shared between processes ({exc})"
-    mine = {"exported": exported, "reason": reason}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    reasons = [e["reason"] for e in everyone if e["reason"]]
-    if reasons:
-        return None, reasons[0]
-    peer_flats, peer_staging, reason = {}, {}, ""
-    try:
+
+    def share():
+        staging = [torch.zeros(max(plan.staging_numel(rank, f), 1), dtype=flat.dtype,
+                               device=flat.device) for f, flat in enumerate(flats)]
+        try:
+            return staging, [peer_memory.export(t) for t in list(flats) + staging], ""
+        except RuntimeError as exc:  # e.g. expandable segments: no IPC handles
+            return None, None, f"its buffers cannot be shared between processes ({_line(exc)})"
+
+    shared, failed = _attempt(share)
+    staging, exported, reason = shared or (None, None, failed)
+    everyone = _everyone({"reason": reason, "exported": exported}, group, world)
+    reason = _first_reason(everyone)
+    if reason:
+        return None, reason
+
+    # 4. every other rank's buffers opened in this process
+    def open_peers():
+        peer_flats, peer_staging = {}, {}
         for q in range(world):
             if q == rank:
                 continue
             views = peer_memory.open_segments(everyone[q]["exported"], device)
-            typed = [v[:_nbytes(t, n)].view(t.dtype) for v, t, n in zip(
-                views, list(flats) + staging,
-                [f.numel() for f in flats] + [plan.staging_numel(q, f) for f in range(len(flats))])]
+            sizes = ([f.numel() for f in flats]
+                     + [plan.staging_numel(q, f) for f in range(len(flats))])
+            typed = [v[:_nbytes(t, n)].view(t.dtype)
+                     for v, t, n in zip(views, list(flats) + staging, sizes)]
             peer_flats[q], peer_staging[q] = typed[:len(flats)], typed[len(flats):]
-    except RuntimeError as exc:
-        peer_flats, peer_staging = {}, {}
-        reason = f"opening another rank's memory failed ({exc})"
-    reasons = _gather_reasons(reason, group, world)
-    if reasons:
-        return None, reasons[0]
+        return peer_flats, peer_staging
+
+    peers, failed = _attempt(open_peers, "opening another rank's memory failed")
+    reason = _first_reason(_everyone({"reason": failed}, group, world))
+    if reason:
+        return None, reason
     flag = torch.zeros(1, device=flats[0].device)
 
     def barrier():
         return dist.all_reduce(flag, group=group, async_op=True)
 
-    return PeerAllReduce(plan, rank, list(flats), staging, peer_flats, peer_staging,
-                         barrier), ""
+    return PeerAllReduce(plan, rank, list(flats), staging, peers[0], peers[1], barrier), ""
+
+
+def _attempt(fn, what="this rank's check failed"):
+    """``(fn(), "")``, or ``(None, reason)`` when it raised: a local failure must still reach
+    the next collective, as this rank's reason."""
+    try:
+        return fn(), ""
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{what} ({_line(exc)})"
+
+
+def _line(exc) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _everyone(value, group, world):
+    values = [None] * world
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _first_reason(values) -> str:
+    """The first non-empty ``reason`` among the ranks' dicts."""
+    return next((v["reason"] for v in values if v["reason"]), "")
 
 
 def _nbytes(t, numel):
     return max(numel, 1) * t.element_size()
-
-
-def _gather_reasons(reason, group, world):
-    reasons = [None] * world
-    dist.all_gather_object(reasons, reason, group=group)
-    return [r for r in reasons if r]
