@@ -223,3 +223,9 @@ def test_create_is_collective_when_one_rank_fails(tmp_path, stage):
         assert results[0]["reason"].startswith("its buffers cannot be shared between processes")
     if stage == "open":
         assert results[0]["reason"].startswith("opening another rank's memory failed")
+
+
+def test_world_limit_is_the_kernels():
+    from ls_fairseq.ops import _shard_reduce_cuda
+
+    assert peer_all_reduce.MAX_WORLD == _shard_reduce_cuda.MAX_PARTS + 1
