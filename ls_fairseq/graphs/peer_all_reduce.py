@@ -31,7 +31,6 @@ extension built, NCCL, and 2 to 16 ranks; elsewhere NCCL's all-reduce runs, with
 (``--ls-copy-engine-all-reduce`` refuses the run instead, ``--ls-no-copy-engine-all-reduce``
 keeps NCCL).
 """
-import logging
 import socket
 
 import torch
@@ -40,8 +39,6 @@ import torch.distributed as dist
 from ..ops import peer_memory
 from ..ops.shard_reduce import shard_reduce_
 from .flat_gradients import ALIGN
-
-logger = logging.getLogger(__name__)
 
 FLAG = "--ls-copy-engine-all-reduce"
 #: most GPUs: the shard sum kernel takes 15 received shards (csrc/shard_reduce.cu, kMaxParts)
