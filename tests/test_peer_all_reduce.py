@@ -229,3 +229,45 @@ def test_world_limit_is_the_kernels():
     from ls_fairseq.ops import _shard_reduce_cuda
 
     assert peer_all_reduce.MAX_WORLD == _shard_reduce_cuda.MAX_PARTS + 1
+
+
+def test_visible_peers_reasons(monkeypatch):
+    """Each rank's GPU found by its UUID among this process's devices, or why not."""
+    uuids = {0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"uuid": uuids[d]})())
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} != {0, 2})
+    info = lambda uuid, host="h/1": {"host": host, "uuid": uuid}  # noqa: E731
+    visible = peer_all_reduce._visible_peers
+    assert visible([info("GPU-a"), info("GPU-b")], 0, 0) == ({1: 1}, "")
+    assert visible([info("GPU-b"), info("GPU-a")], 1, 0) == ({0: 1}, "")  # other order
+    assert visible([info("GPU-a"), info("GPU-b", "g/1")], 0, 0)[1] == \
+        "the ranks are not all on one host"
+    assert visible([info("GPU-a"), info("GPU-z")], 0, 0)[1] == \
+        "rank 1's GPU is not visible to rank 0 (CUDA_VISIBLE_DEVICES)"
+    assert visible([info("GPU-a"), info("GPU-a")], 0, 0)[1] == "ranks 0 and 1 share one GPU"
+    assert visible([info("GPU-a"), info("GPU-c")], 0, 0)[1] == \
+        "rank 0's GPU cannot reach rank 1's by peer access"
+
+
+def test_local_check_reasons(monkeypatch):
+    from ls_fairseq.ops import peer_memory
+
+    class Flat:
+        is_cuda, dtype = True, torch.float16
+
+    monkeypatch.setattr(peer_memory, "available", lambda t: True)
+    for backend, world, dtype, available, reason in [
+            ("nccl", 2, torch.float16, True, ""),
+            ("nccl", 16, torch.bfloat16, True, ""),
+            ("gloo", 2, torch.float16, True, "it needs the NCCL backend, this run uses gloo"),
+            ("nccl", 17, torch.float16, True, "it takes 2 to 16 GPUs, this run has 17"),
+            ("nccl", 2, torch.float64, True, "the gradients are not float16, bfloat16 or float32"),
+            ("nccl", 2, torch.float16, False, "the ls_fairseq CUDA extension is not available")]:
+        monkeypatch.setattr(dist, "get_world_size", lambda group, w=world: w)
+        monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
+        monkeypatch.setattr(peer_memory, "available", lambda t, a=available: a)
+        flat = Flat()
+        flat.dtype = dtype
+        assert peer_all_reduce._local_check([flat], None) == reason
