@@ -101,9 +101,9 @@ class PeerAllReduce:
         self.flats, self.staging = flats, staging
         self.peer_flats, self.peer_staging = peer_flats, peer_staging
         self.barrier = barrier
-        self._bucket_of = {}
-        for b, (f, lo, hi) in enumerate(plan.buckets):
-            self._bucket_of[(f, lo, hi)] = b
+        # GradBuckets.issue hands over each bucket as the view flats[f][lo:hi]: found by address
+        self._bucket_of = {(flats[f][lo:hi].data_ptr(), hi - lo): b
+                           for b, (f, lo, hi) in enumerate(plan.buckets)}
 
     # -- the four phases of one bucket ---------------------------------------------------------
 
@@ -138,12 +138,11 @@ class PeerAllReduce:
 
     def bucket_index(self, bucket) -> int:
         """The plan's index of ``bucket``, a view ``flats[f][lo:hi]``."""
-        for f, flat in enumerate(self.flats):
-            if bucket.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
-                lo = bucket.storage_offset() - flat.storage_offset()
-                return self._bucket_of[(f, lo, lo + bucket.numel())]
-        raise ValueError("ls_fairseq: a gradient bucket outside the flat buffers; please report "
-                         "this")
+        b = self._bucket_of.get((bucket.data_ptr(), bucket.numel()))
+        if b is None:
+            raise ValueError("ls_fairseq: a gradient bucket outside the flat buffers; please "
+                             "report this")
+        return b
 
     def __call__(self, bucket):
         """Issues the all-reduce of ``bucket`` on the current (side) stream; no work to wait for
@@ -179,10 +178,9 @@ def _on_cuda(flats) -> bool:
 
 
 def _local_check(flats, group):
-    """Why this rank cannot take the copy-engine path (empty: it can), before any exchange."""
+    """Why this rank cannot take the copy-engine path (empty: it can), before any exchange;
+    for gradients on a CUDA device (``create`` checks that first)."""
     world = dist.get_world_size(group)
-    if not all(f.is_cuda for f in flats):
-        return "the gradients are not on a CUDA device"
     if dist.get_backend(group) != "nccl":
         return f"it needs the NCCL backend, this run uses {dist.get_backend(group)}"
     if not 2 <= world <= MAX_WORLD:

@@ -38,6 +38,7 @@ def exported_fields(exported):
     return bytes(exported[:HANDLE_BYTES].tolist()), offset, size
 
 
-def peer_import_cuda(exported, device: int):
-    _, _, size = exported_fields(exported)
-    return torch.ops.ls_fairseq.peer_import(exported.contiguous(), int(device), size)
+def peer_import_cuda(exported, device: int, nbytes: int):
+    """The allocation ``exported`` names (``nbytes``: its size, from :func:`exported_fields`),
+    mapped on ``device``."""
+    return torch.ops.ls_fairseq.peer_import(exported.contiguous(), int(device), int(nbytes))

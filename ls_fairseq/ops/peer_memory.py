@@ -34,8 +34,8 @@ def open_segments(exported, device: int):
 
     opened, views = {}, []
     for e in exported:
-        handle, offset, _ = cuda.exported_fields(e)
+        handle, offset, size = cuda.exported_fields(e)
         if handle not in opened:
-            opened[handle] = cuda.peer_import_cuda(e, device)
+            opened[handle] = cuda.peer_import_cuda(e, device, size)
         views.append(opened[handle][offset:])
     return views
