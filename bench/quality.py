@@ -26,6 +26,7 @@ ls                 ls_transformer      ls_label_smoothed_cross_entropy    ls_ada
 ls_bf16            ``ls`` with --bf16 instead of --fp16
 ls_eager           ``ls`` + --ls-no-fused-fp16-copy --ls-no-cuda-graphs --ls-no-deferred-overflow-check
 ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
+ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL sums the gradients)
 =================  ==================  =================================  ==========
 
 Corpus: ``--corpus synthetic`` (default) generates ``bench/learnable_corpus.py``'s deterministic
@@ -62,6 +63,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 USER_DIR = os.path.join(ROOT, "ls_fairseq")
+import fcntl  # noqa: E402
+
 import e2e  # noqa: E402  (its corpus binarisation)
 import learnable_corpus  # noqa: E402
 
@@ -90,6 +93,8 @@ VARIANTS["ls_off"] = dict(VARIANTS["ls"], env={"LS_FAIRSEQ_KERNELS": "off"})
 # ls_fairseq_order keeps fairseq's dealing, baseline_grouped is fairseq with its --grouped-shuffling
 VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-grouped-shuffling"])
 VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
+# several GPUs: ``ls`` sums gradients by copy engines (graphs/peer_all_reduce.py); this keeps NCCL's
+VARIANTS["ls_nccl_all_reduce"] = dict(VARIANTS["ls"], flags=["--ls-no-copy-engine-all-reduce"])
 DEFAULT_VARIANTS = "baseline,arch,criterion,optimizer,ls,ls_bf16,ls_eager,ls_off"
 
 # model sizes: fairseq's transformer options (the ls_ architectures take the same)
@@ -434,15 +439,17 @@ def main(argv=None):
     src, tgt = a.langs.split(",")
     os.makedirs(a.workdir, exist_ok=True)
     t0 = time.time()
-    if a.corpus == "synthetic":
-
-        text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
-        if not os.path.exists(os.path.join(text_dir, "test.de")):
-            learnable_corpus.write_corpus(text_dir, train=a.train_sentences)
-        src, tgt = "en", "de"
-    else:
-        text_dir = a.corpus
-    data = e2e.preprocess(text_dir, 8, src, tgt)
+    # benches started side by side (one per GPU pair) share --workdir: one writes, the others wait
+    with open(os.path.join(a.workdir, ".prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if a.corpus == "synthetic":
+            text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
+            if not os.path.exists(os.path.join(text_dir, "test.de")):
+                learnable_corpus.write_corpus(text_dir, train=a.train_sentences)
+            src, tgt = "en", "de"
+        else:
+            text_dir = a.corpus
+        data = e2e.preprocess(text_dir, 8, src, tgt)
     with open(os.path.join(text_dir, f"test.{tgt}")) as f:
         raw_refs = dict(enumerate(line.rstrip("\n") for line in f))
     print(f"corpus ready in {time.time() - t0:.0f}s: {data}", flush=True)
