@@ -4,8 +4,9 @@
 1. Correctness: the ls_ model (the README's command, variant ``ls``) under --correctness-backend
    (fairseq's default, pytorch_ddp) on N GPUs with --update-freq 1 and on 1 GPU with
    --update-freq N see the same batches per update (fairseq shards the batch list round-robin),
-   so with dropout 0 their per-update losses agree within fp16 noise; --updates (200) updates,
-   both curves and the largest gap.
+   so with dropout 0 and an initial loss scale at which neither run overflows (--init-scale)
+   their per-update losses agree within fp16 noise; --updates (200) updates, both curves, their
+   loss scales and the largest gap. The JSON is written after every run.
 2. The N-GPU run's checkpoint resumes on 1 GPU.
 3. fairseq's other DDP backends (of pytorch_ddp, legacy_ddp, no_c10d) train the ls_ model on N
    GPUs.
@@ -56,6 +57,13 @@ MIN_UPDATES_PER_EPOCH = 200  # issue 37: fewer, and the epoch boundary's cost we
 
 def losses(log):
     return [(int(s["num_updates"]), float(s["loss"])) for s in e2e.parse_log(log)[0]]
+
+
+def loss_scales(log):
+    """(update, fp16 loss scale) of each logged interval: where two runs' scales differ, they
+    skipped a different number of overflowing updates and stopped seeing the same batches."""
+    return [(int(s["num_updates"]), float(s["loss_scale"])) for s in e2e.parse_log(log)[0]
+            if "loss_scale" in s]
 
 
 def largest_gap(a, b):
@@ -189,7 +197,7 @@ def corpus(sentences, workers, workdir=None):
     return e2e.preprocess(workdir, workers)
 
 
-KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training")
+KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training|Loaded checkpoint|copy-engine-all-reduce")
 
 
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
@@ -450,6 +458,12 @@ def main():
                     help="updates of the correctness runs (the issue asks for >= 200)")
     ap.add_argument("--correctness-backend", default="pytorch_ddp",
                     help="--ddp-backend of the correctness and resume runs (fairseq's default)")
+    ap.add_argument("--init-scale", type=float, default=4.0,
+                    help="--fp16-init-scale of the correctness runs: fairseq's 128 overflows "
+                         "a different number of times on 1 GPU x update-freq N (fp16 sums of N "
+                         "gradients) than on N GPUs, and each skipped update shifts the batches "
+                         "of the rest of the run; at 4 neither run overflows (transformer big). "
+                         "0: fairseq's default")
     ap.add_argument("--scaling-epochs", type=int, default=2,
                     help="whole epochs per scaling run: epoch 1, then the steady epochs 2..last")
     ap.add_argument("--scaling-variants",
@@ -491,7 +505,11 @@ def main():
             write_json(args.json, info, results)
 
     if not args.skip_correctness:
-        text, results["correctness"] = correctness(data, args)
+        def step(figures):  # after each run: a call cut short keeps the runs that finished
+            results["correctness"] = figures
+            save()
+
+        text, results["correctness"] = correctness(data, args, step)
         out.append(text)
         save()
         print(text, flush=True)
@@ -521,37 +539,54 @@ def main():
             f.write(text + "\n")
 
 
-def correctness(data, args):
-    """Steps 1-3: (the text, the figures as data)."""
+def correctness(data, args, on_step=None):
+    """Steps 1-3: (the text, the figures as data); ``on_step(figures so far)`` after each run."""
     out = []
+    on_step = on_step or (lambda figures: None)
     backend = args.correctness_backend
     # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update;
     # fairseq's order on N GPUs (no length grouping), the batches of 1 GPU x update-freq N
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
               "--ls-no-grouped-shuffling"]
+    if args.init_scale:
+        nodrop += ["--fp16-init-scale", f"{args.init_scale:g}"]
     multi_dir, single_dir = "/tmp/mg_multi", "/tmp/mg_single"
     for d in (multi_dir, single_dir):
         # an earlier call's checkpoint_last.pt would be resumed instead of training from scratch
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
     mt = args.max_tokens[0]
-    multi = losses(train(data, "ls", mt, args.gpus, 1, args.updates, multi_dir, nodrop, backend))
-    single = losses(train(data, "ls", mt, 1, args.gpus, args.updates, single_dir, nodrop,
-                          backend))
+    data_out = {"variant": "ls", "ddp_backend": backend, "gpus": args.gpus, "max_tokens": mt,
+                "updates": args.updates, "dropout": 0, "fp16_init_scale": args.init_scale or None,
+                "other_backends": []}
+    log = train(data, "ls", mt, args.gpus, 1, args.updates, multi_dir, nodrop, backend)
+    multi, multi_scales = losses(log), loss_scales(log)
+    data_out.update(loss_n_gpus=multi, loss_scale_n_gpus=multi_scales)
+    on_step(data_out)
+    log = train(data, "ls", mt, 1, args.gpus, args.updates, single_dir, nodrop, backend)
+    single, single_scales = losses(log), loss_scales(log)
     gap, at = largest_gap(multi, single)
+    data_out.update(loss_1_gpu_update_freq_n=single, loss_scale_1_gpu_update_freq_n=single_scales,
+                    largest_gap=_finite(gap), largest_gap_update=at)
+    on_step(data_out)
+    scale = "fairseq's" if not args.init_scale else f"{args.init_scale:g}"
     out.append(f"Correctness ({args.gpus} GPUs x update-freq 1 vs 1 GPU x update-freq "
                f"{args.gpus}, ls_, --ddp-backend {backend}, max-tokens {mt}, dropout 0, "
-               f"{args.updates} updates): largest loss gap {gap:.4f} (update {at})")
+               f"initial loss scale {scale}, {args.updates} updates): largest loss gap "
+               f"{gap:.4f} (update {at})")
     out.append("updates: " + " ".join(str(u) for u, _ in multi))
     out.append(f"loss {args.gpus} GPUs: " + " ".join(f"{l:.3f}" for _, l in multi))
     out.append("loss 1 GPU:   " + " ".join(f"{l:.3f}" for _, l in single))
+    if multi_scales != single_scales:
+        out.append(f"loss scales differ ({args.gpus} GPUs: "
+                   f"{' '.join(f'{x:g}' for _, x in multi_scales)}; 1 GPU: "
+                   f"{' '.join(f'{x:g}' for _, x in single_scales)}): the runs skipped a "
+                   f"different number of overflowing updates, so their batches differ after it")
     resumed = train(data, "ls", mt, 1, args.gpus, args.updates + 10, multi_dir, nodrop, backend)
     ok = re.search(r"Loaded checkpoint .*@ %d updates" % args.updates, resumed) is not None
     out.append(f"{args.gpus}-GPU checkpoint resumed on 1 GPU: {'yes' if ok else 'NO'}")
-    data_out = {"variant": "ls", "ddp_backend": backend, "gpus": args.gpus, "max_tokens": mt,
-                "updates": args.updates, "dropout": 0, "loss_n_gpus": multi,
-                "loss_1_gpu_update_freq_n": single, "largest_gap": _finite(gap),
-                "largest_gap_update": at, "resumed_on_1_gpu": ok, "other_backends": []}
+    data_out["resumed_on_1_gpu"] = ok
+    on_step(data_out)
 
     # 3: the other DDP backends
     for other in [b for b in ("pytorch_ddp", "legacy_ddp", "no_c10d") if b != backend]:
@@ -571,6 +606,7 @@ def correctness(data, args):
             out.append(f"--ddp-backend {other}: FAILED: {str(e)[-300:]!r}")
             data_out["other_backends"].append({"ddp_backend": other, "trains": False,
                                                "error": str(e)[-300:]})
+        on_step(data_out)
     return "\n".join(out), data_out
 
 

@@ -229,7 +229,7 @@ def fake_log(gpus, updates, wpb, seconds, reserved=0, losses=()):
     for u, loss in losses:
         lines.append(tag("train_inner") + json.dumps(
             {"epoch": 1, "loss": str(loss), "wps": "1000", "wpb": str(wpb),
-             "num_updates": str(u)}))
+             "num_updates": str(u), "loss_scale": "4"}))
     for e, s in enumerate(seconds, 1):
         clock += s
         lines += [tag("fairseq_cli.train") + f"end of epoch {e} (average epoch stats below)",
@@ -378,6 +378,8 @@ def test_correctness_results_are_data(fake_runs, monkeypatch, tmp_path):
     assert c["loss_n_gpus"] == [[10, 12.5], [20, 11.25], [30, 10.0]]
     assert c["largest_gap"] == pytest.approx(0.01) and c["largest_gap_update"] == 20
     assert c["resumed_on_1_gpu"] is True
+    assert c["fp16_init_scale"] == 4.0 and c["loss_scale_n_gpus"] == [[10, 4.0], [20, 4.0],
+                                                                      [30, 4.0]]
     assert [b["ddp_backend"] for b in c["other_backends"]] == ["legacy_ddp", "no_c10d"]
     assert all(b["trains"] for b in c["other_backends"])
 
@@ -387,3 +389,53 @@ def test_correctness_results_are_data(fake_runs, monkeypatch, tmp_path):
     c = json.loads(out_json.read_text())["correctness"]
     assert c["ddp_backend"] == "legacy_ddp"
     assert [b["ddp_backend"] for b in c["other_backends"]] == ["pytorch_ddp", "no_c10d"]
+
+
+def test_correctness_runs_start_at_the_initial_loss_scale_and_save_after_each_run(
+        fake_runs, monkeypatch, tmp_path):
+    """--init-scale reaches every correctness run (0: fairseq's own); the JSON holds the runs that
+    finished when a later one fails (a device call cut short keeps them)."""
+    out_json = tmp_path / "mg.json"
+    seen = []
+    fake = multi_gpu.train
+
+    def train(*a, **k):
+        extra = list(a[7] if len(a) > 7 else k.get("extra", ()))
+        seen.append(extra)
+        if a[3] == 1 and a[5] == 210:  # the resume run: the call is cut short here
+            raise KeyboardInterrupt
+        return fake(*a, **k)
+
+    monkeypatch.setattr(multi_gpu, "train", train)
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-scaling",
+                                      "--json", str(out_json), "--init-scale", "8"])
+    with pytest.raises(KeyboardInterrupt):
+        multi_gpu.main()
+    assert all(e[e.index("--fp16-init-scale") + 1] == "8" for e in seen)
+    c = json.loads(out_json.read_text())["correctness"]
+    assert c["fp16_init_scale"] == 8.0 and c["largest_gap"] == pytest.approx(0.01)
+    assert "resumed_on_1_gpu" not in c
+
+    seen.clear()
+    monkeypatch.setattr(multi_gpu, "train", lambda *a, **k: (seen.append(list(a[7])),
+                                                             fake(*a, **k))[1])
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-scaling",
+                                      "--init-scale", "0"])
+    multi_gpu.main()
+    assert seen and not any("--fp16-init-scale" in e for e in seen)
+
+
+def test_differing_loss_scales_are_named(fake_runs, monkeypatch, tmp_path, capsys):
+    fake = multi_gpu.train
+
+    def train(*a, **k):  # the 1-GPU run skipped one more overflowing update
+        log = fake(*a, **k)
+        return log.replace('"loss_scale": "4"', '"loss_scale": "2"') if a[3] == 1 else log
+
+    monkeypatch.setattr(multi_gpu, "train", train)
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-scaling",
+                                      "--json", str(tmp_path / "mg.json")])
+    multi_gpu.main()
+    assert "loss scales differ (2 GPUs: 4 4 4; 1 GPU: 2 2 2)" in capsys.readouterr().out
+    c = json.loads((tmp_path / "mg.json").read_text())["correctness"]
+    assert c["loss_scale_1_gpu_update_freq_n"] == [[10, 2.0], [20, 2.0], [30, 2.0]]
