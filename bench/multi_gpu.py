@@ -197,7 +197,8 @@ def corpus(sentences, workers, workdir=None):
     return e2e.preprocess(workdir, workers)
 
 
-KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training|Loaded checkpoint|copy-engine-all-reduce")
+KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training|Loaded checkpoint|"
+                  r"copy-engine-all-reduce")
 
 
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
@@ -691,7 +692,8 @@ def profiles(data, args):
             m = s["median_ms_per_update"]
             head.append(f"\nMedian per update, {p['variant']}: period {m['ms']:.1f} ms = "
                         f"compute {m['compute_ms']:.1f} + NCCL {m['nccl_ms']:.1f} + idle "
-                        f"{m['idle_ms']:.1f}")
+                        f"{m['idle_ms']:.1f} (copies {m.get('copy_ms', 0.0):.1f}, beside "
+                        f"compute)")
         if s.get("host_syncs_per_step_by_site"):
             head.append(f"\nHost syncs per update, {p['variant']}: " + "; ".join(
                 f"{site} {n:.1f}" for site, n in s["host_syncs_per_step_by_site"][:8]))
@@ -699,17 +701,18 @@ def profiles(data, args):
 
 
 def ranks_table(name, ranks):
-    """Update by update, each rank's compute / NCCL / idle ms, and what unequal batches cost: the
-    mean over updates of max(compute) - mean(compute) (the faster rank waits that long)."""
-    rows = [f"\nPer update, {name} (ms; compute / NCCL / idle per rank):",
+    """Update by update, each rank's compute / NCCL / copies / idle ms, and what unequal batches
+    cost: the mean over updates of max(compute) - mean(compute) (the faster ranks wait about that
+    long)."""
+    rows = [f"\nPer update, {name} (ms; compute / NCCL / copies / idle per rank):",
             "| update | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " | period |",
             "|---|" + "---|" * (len(ranks) + 1)]
     per = [r.get("per_update") or [] for r in ranks]
     n = min(len(p) for p in per)
     waits = []
     for i in range(n):
-        cells = [f"{p[i]['compute_ms']:.1f} / {p[i]['nccl_ms']:.1f} / {p[i]['idle_ms']:.1f}"
-                 for p in per]
+        cells = [f"{p[i]['compute_ms']:.1f} / {p[i]['nccl_ms']:.1f} / "
+                 f"{p[i].get('copy_ms', 0.0):.1f} / {p[i]['idle_ms']:.1f}" for p in per]
         compute = [p[i]["compute_ms"] for p in per]
         waits.append(max(compute) - sum(compute) / len(compute))
         rows.append(f"| {i} | " + " | ".join(cells) + f" | {per[0][i]['ms']:.1f} |")

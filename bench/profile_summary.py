@@ -88,10 +88,17 @@ def summarize(prof, wall_s, steps):
     return out
 
 
+def _is_copy(name):
+    return "memcpy" in name.lower() or "memset" in name.lower()
+
+
 def per_update(kernels, marks, wall_us):
     """Each update's GPU period (from its first kernel to the next update's first kernel) split
-    into NCCL kernels (on N GPUs: the transfer, plus waiting for the slower rank), other kernels
-    and idle time. Needs the GPU-side spans of the ``bench_update_<k>`` ranges."""
+    into NCCL kernels (on N GPUs: the transfer, plus waiting for the slower rank; under the
+    copy-engine all-reduce only its barriers, so mostly the wait), compute (the other kernels),
+    copies (memcpy/memset: the copy-engine all-reduce's pushes into peer memory, concurrent with
+    compute) and idle time (no kernel and no copy). Needs the GPU-side spans of the
+    ``bench_update_<k>`` ranges."""
     if len(marks) < 2:
         return {}
     ks = sorted(marks)
@@ -102,13 +109,16 @@ def per_update(kernels, marks, wall_us):
     for s0, s1 in zip(starts, ends):
         inside = [(s, e, n) for s, e, n in kernels if s0 <= s < s1]
         nccl = _union_length([(s, e) for s, e, n in inside if NCCL.search(n)])
-        compute = _union_length([(s, e) for s, e, n in inside if not NCCL.search(n)])
+        copy = _union_length([(s, e) for s, e, n in inside if _is_copy(n)])
+        compute = _union_length([(s, e) for s, e, n in inside
+                                 if not NCCL.search(n) and not _is_copy(n)])
         busy = _union_length([(s, e) for s, e, _ in inside])
         rows.append({"ms": (s1 - s0) / 1e3, "compute_ms": compute / 1e3, "nccl_ms": nccl / 1e3,
-                     "idle_ms": max(s1 - s0 - busy, 0) / 1e3})
+                     "copy_ms": copy / 1e3, "idle_ms": max(s1 - s0 - busy, 0) / 1e3})
     med = lambda key: sorted(r[key] for r in rows)[len(rows) // 2]
     return {"per_update": rows,
-            "median_ms_per_update": {k: med(k) for k in ("ms", "compute_ms", "nccl_ms", "idle_ms")}}
+            "median_ms_per_update": {k: med(k) for k in ("ms", "compute_ms", "nccl_ms", "copy_ms",
+                                                         "idle_ms")}}
 
 
 def _short_kernel(name):

@@ -26,7 +26,7 @@ ls                 ls_transformer      ls_label_smoothed_cross_entropy    ls_ada
 ls_bf16            ``ls`` with --bf16 instead of --fp16
 ls_eager           ``ls`` + --ls-no-fused-fp16-copy --ls-no-cuda-graphs --ls-no-deferred-overflow-check
 ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
-ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL sums the gradients)
+ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL's all-reduce)
 =================  ==================  =================================  ==========
 
 Corpus: ``--corpus synthetic`` (default) generates ``bench/learnable_corpus.py``'s deterministic
