@@ -372,6 +372,24 @@ def device_name():
         return "unknown"
 
 
+def prepare_corpus(a):
+    """``(text dir, binarised dir, src, tgt)`` of ``a.corpus``, written and binarised once per
+    --workdir. Benches started side by side (one per GPU pair) share --workdir: one prepares,
+    the others wait for it (a file lock) and find it done."""
+    src, tgt = a.langs.split(",")
+    os.makedirs(a.workdir, exist_ok=True)
+    with open(os.path.join(a.workdir, ".prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if a.corpus == "synthetic":
+            text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
+            if not os.path.exists(os.path.join(text_dir, "test.de")):
+                learnable_corpus.write_corpus(text_dir, train=a.train_sentences)
+            src, tgt = "en", "de"
+        else:
+            text_dir = a.corpus
+        return text_dir, e2e.preprocess(text_dir, 8, src, tgt), src, tgt
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", default="synthetic",
@@ -436,20 +454,8 @@ def main(argv=None):
     jobs = job_list(variants, seeds, a.port_base)
     if a.gpus > 1 and not 1024 <= a.port_base <= jobs[-1][2] <= 65535:
         p.error(f"--port-base {a.port_base}: ports up to {jobs[-1][2]} must lie in 1024..65535")
-    src, tgt = a.langs.split(",")
-    os.makedirs(a.workdir, exist_ok=True)
     t0 = time.time()
-    # benches started side by side (one per GPU pair) share --workdir: one writes, the others wait
-    with open(os.path.join(a.workdir, ".prepare.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if a.corpus == "synthetic":
-            text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
-            if not os.path.exists(os.path.join(text_dir, "test.de")):
-                learnable_corpus.write_corpus(text_dir, train=a.train_sentences)
-            src, tgt = "en", "de"
-        else:
-            text_dir = a.corpus
-        data = e2e.preprocess(text_dir, 8, src, tgt)
+    text_dir, data, src, tgt = prepare_corpus(a)
     with open(os.path.join(text_dir, f"test.{tgt}")) as f:
         raw_refs = dict(enumerate(line.rstrip("\n") for line in f))
     print(f"corpus ready in {time.time() - t0:.0f}s: {data}", flush=True)

@@ -313,3 +313,54 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
     assert summary["ls"]["n"] == 1 and "pass" in summary["ls"]
     md = (tmp_path / "q.md").read_text()
     assert "| baseline | 1 |" in md and "1 GPU per run, 8 updates of 512 tokens" in md
+
+
+def test_benches_side_by_side_prepare_the_corpus_once(monkeypatch, tmp_path):
+    """Two benches sharing --workdir: the second waits for the first's corpus and binarisation
+    (before the lock, both ran fairseq-preprocess into one folder and one failed)."""
+    import argparse
+    import threading
+    import time
+
+    events, busy = [], []
+
+    def write_corpus(text_dir, train):
+        busy.append(1)
+        assert len(busy) == 1, "two preparations at once"
+        time.sleep(0.3)
+        os.makedirs(text_dir, exist_ok=True)
+        open(os.path.join(text_dir, "test.de"), "w").close()
+        events.append("corpus")
+        busy.pop()
+
+    def preprocess(text_dir, workers, src, tgt):
+        dest = os.path.join(text_dir, "bin")
+        if not os.path.exists(dest):
+            busy.append(1)
+            assert len(busy) == 1, "two binarisations at once"
+            time.sleep(0.3)
+            os.makedirs(dest)
+            events.append("preprocess")
+            busy.pop()
+        return dest
+
+    monkeypatch.setattr(quality.learnable_corpus, "write_corpus", write_corpus)
+    monkeypatch.setattr(quality.e2e, "preprocess", preprocess)
+    a = argparse.Namespace(langs="en,de", workdir=str(tmp_path), corpus="synthetic",
+                           train_sentences=100)
+    results, errors = [], []
+
+    def bench():
+        try:
+            results.append(quality.prepare_corpus(a))
+        except AssertionError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=bench) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and events == ["corpus", "preprocess"]
+    assert results[0] == results[1] == (str(tmp_path / "synthetic_100"),
+                                        str(tmp_path / "synthetic_100" / "bin"), "en", "de")
