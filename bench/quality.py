@@ -204,16 +204,24 @@ def setup_text(a):
 
 
 VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \| nll_loss ([0-9.]+)")
+VALID_AT = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*?num_updates (\d+)")
 UPDATES = re.compile(r"num_updates (\d+)")
+# fairseq's simple format: "epoch 001:    100 / 344 loss=9.1, nll_loss=..., num_updates=100, ..."
+TRAIN_INNER = re.compile(r"\bloss=([0-9.]+),.*?\bnum_updates=(\d+)")
 
 
 def parse_train_log(text):
+    """The run's last validation loss, updates and fp16 overflows, and its curves as
+    [update, loss] pairs: training loss at each log interval, validation loss at each epoch end
+    (where a bad run parts from the others)."""
     valid = VALID_LINE.findall(text)
     updates = UPDATES.findall(text)
     return dict(valid_loss=float(valid[-1][0]) if valid else None,
                 valid_nll=float(valid[-1][1]) if valid else None,
                 updates=int(updates[-1]) if updates else None,
-                overflows=text.count("gradient overflow detected"))
+                overflows=text.count("gradient overflow detected"),
+                train_curve=[[int(u), float(l)] for l, u in TRAIN_INNER.findall(text)],
+                valid_curve=[[int(u), float(l)] for l, u in VALID_AT.findall(text)])
 
 
 def parse_generate(text):
@@ -251,6 +259,15 @@ def score(hyps, refs):
                 sys_len=bleu.sys_len, ref_len=bleu.ref_len)
 
 
+def overlong_examples(hyps, refs, k=3, chars=200):
+    """The ``k`` hypotheses longest against their references (words), with them: what an
+    over-long run writes (loops, repeated words), kept in its row."""
+    worst = sorted(range(len(hyps)), key=lambda i: len(refs[i].split()) - len(hyps[i].split()))
+    return [{"hypothesis": hyps[i][:chars], "reference": refs[i][:chars],
+             "extra_words": len(hyps[i].split()) - len(refs[i].split())} for i in worst[:k]
+            if len(hyps[i].split()) > len(refs[i].split())]
+
+
 def run_one(a, data, variant, seed, raw_refs, lock, port=None):
     name = f"{variant}_s{seed}"
     run_dir = os.path.join(a.workdir, "runs", name)
@@ -284,7 +301,9 @@ def run_one(a, data, variant, seed, raw_refs, lock, port=None):
             row["error"] = f"fairseq-generate exit {gen.returncode} (see {run_dir}/generate.txt)"
         else:
             ids = sorted(hyps)
-            row.update(score([hyps[i] for i in ids], [raw_refs[i] for i in ids]))
+            hyp_list, ref_list = [hyps[i] for i in ids], [raw_refs[i] for i in ids]
+            row.update(score(hyp_list, ref_list))
+            row["overlong_examples"] = overlong_examples(hyp_list, ref_list)
         if not a.keep_checkpoints:
             os.remove(os.path.join(run_dir, "checkpoint_best.pt"))
     with lock:

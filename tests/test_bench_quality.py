@@ -247,12 +247,17 @@ def test_too_few_gpus_fail_at_start(monkeypatch, capsys, tmp_path, cuda, count):
 
 
 def test_log_parsing():
-    log = ("2026 | INFO | train | epoch 004 | loss 2.1 | num_updates 1500 | lr 0.0005\n"
+    log = ("2026 | INFO | train_inner | epoch 004:    100 / 375 loss=2.3, nll_loss=0.2, ppl=1.2, "
+           "wps=1000, ups=3, wpb=4000, bsz=150, num_updates=1400, lr=0.0005, gnorm=0.4\n"
+           "2026 | INFO | train | epoch 004 | loss 2.1 | num_updates 1500 | lr 0.0005\n"
            "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 32\n"
+           "2026 | INFO | valid | epoch 003 | valid on 'valid' subset | loss 2.4 | nll_loss 0.3"
+           " | ppl 1.2 | wps 1 | wpb 2 | bsz 3 | num_updates 1125\n"
            "2026 | INFO | valid | epoch 004 | valid on 'valid' subset | loss 2.04 | nll_loss 0.092"
            " | ppl 1.07 | num_updates 1500\n")
-    assert quality.parse_train_log(log) == dict(valid_loss=2.04, valid_nll=0.092, updates=1500,
-                                                overflows=1)
+    assert quality.parse_train_log(log) == dict(
+        valid_loss=2.04, valid_nll=0.092, updates=1500, overflows=1,
+        train_curve=[[1400, 2.3]], valid_curve=[[1125, 2.4], [1500, 2.04]])
     gen = "S-1\ta b\nT-1\tx y\nH-1\t-0.5\tx y z\nD-1\t-0.5\tx y z\nH-0\t-0.1\tq\nT-0\tq\n"
     hyps, refs = quality.parse_generate(gen)
     assert hyps == {1: "x y z", 0: "q"} and refs == {1: "x y", 0: "q"}
@@ -310,6 +315,7 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
         assert r["gpus"] == 1 and "ddp_backend" not in r
         assert r["updates"] == 8 and r["valid_loss"] > 0 and 0 <= r["bleu"] <= 100
         assert r["sys_len"] > 0 and r["ref_len"] > 0
+        assert r["valid_curve"][-1] == [8, r["valid_loss"]] and "overlong_examples" in r
     assert summary["ls"]["n"] == 1 and "pass" in summary["ls"]
     md = (tmp_path / "q.md").read_text()
     assert "| baseline | 1 |" in md and "1 GPU per run, 8 updates of 512 tokens" in md
@@ -364,3 +370,12 @@ def test_benches_side_by_side_prepare_the_corpus_once(monkeypatch, tmp_path):
     assert not errors and events == ["corpus", "preprocess"]
     assert results[0] == results[1] == (str(tmp_path / "synthetic_100"),
                                         str(tmp_path / "synthetic_100" / "bin"), "en", "de")
+
+
+def test_overlong_examples_are_the_longest_against_their_references():
+    hyps = ["a b", "x y y y y y", "p q r", "m"]
+    refs = ["a b", "x y", "p q", "m n"]
+    assert quality.overlong_examples(hyps, refs, k=2) == [
+        {"hypothesis": "x y y y y y", "reference": "x y", "extra_words": 4},
+        {"hypothesis": "p q r", "reference": "p q", "extra_words": 1}]
+    assert quality.overlong_examples(["a"], ["a b"]) == []  # none longer: none kept
