@@ -29,22 +29,33 @@ def _grads(flats, spans, seed):
                                                      * 6 - 3))
 
 
-def _worker(rank):
+def _setup(shapes):
+    """fp16 parameters of ``shapes`` and a float32 one, their flat gradients in 100k-element
+    buckets, and the copy-engine all-reduce over the default group: (grads, buckets, peer or
+    None, {"reason", "buckets"})."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
     from ls_fairseq.graphs import peer_all_reduce
     from ls_fairseq.graphs.flat_gradients import FlatGradients
-    from ls_fairseq.graphs.grad_buckets import GradBuckets, legacy_reduce
+    from ls_fairseq.graphs.grad_buckets import GradBuckets
 
-    torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(s, device="cuda", dtype=torch.float16))
-              for s in [(1000, 37), (1,), (4099,), (512, 512), (3,)]]
+              for s in shapes]
     params.append(torch.nn.Parameter(torch.zeros(77, device="cuda")))  # a float32 buffer too
     grads = FlatGradients(params)
     buckets = GradBuckets(grads.flats, grads.spans, 100_000)
     peer, reason = peer_all_reduce.create(grads.flats, buckets.buckets, dist.group.WORLD)
-    out = {"reason": reason, "buckets": len(buckets.buckets)}
+    return grads, buckets, peer, {"reason": reason, "buckets": len(buckets.buckets)}
+
+
+def _worker(rank):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from ls_fairseq.graphs.grad_buckets import GradBuckets, legacy_reduce
+
+    torch.manual_seed(0)
+    grads, buckets, peer, out = _setup([(1000, 37), (1,), (4099,), (512, 512), (3,)])
     if peer is None:
         return out
     nccl = GradBuckets(grads.flats, grads.spans, 100_000)
@@ -72,19 +83,10 @@ def _worker(rank):
 def _worker_every_gpu(rank):
     import torch.distributed as dist
 
-    from ls_fairseq.graphs import peer_all_reduce
-    from ls_fairseq.graphs.flat_gradients import FlatGradients
-    from ls_fairseq.graphs.grad_buckets import GradBuckets
     from ls_fairseq.ops.shard_reduce import shard_reduce_reference
 
     world = dist.get_world_size()
-    params = [torch.nn.Parameter(torch.zeros(s, device="cuda", dtype=torch.float16))
-              for s in [(1000, 37), (1,), (4099,), (512, 512), (3,), (5, 7)]]
-    params.append(torch.nn.Parameter(torch.zeros(77, device="cuda")))
-    grads = FlatGradients(params)
-    buckets = GradBuckets(grads.flats, grads.spans, 100_000)
-    peer, reason = peer_all_reduce.create(grads.flats, buckets.buckets, dist.group.WORLD)
-    out = {"reason": reason, "buckets": len(buckets.buckets)}
+    grads, buckets, peer, out = _setup([(1000, 37), (1,), (4099,), (512, 512), (3,), (5, 7)])
     if peer is None:
         return out
     for update in range(2):
