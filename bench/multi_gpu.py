@@ -8,8 +8,8 @@
    their per-update losses agree within fp16 noise; --updates (200) updates, both curves, their
    loss scales and the largest gap. The JSON is written after every run.
 2. The N-GPU run's checkpoint resumes on 1 GPU.
-3. fairseq's other DDP backends (of pytorch_ddp, legacy_ddp, no_c10d) train the ls_ model on N
-   GPUs.
+3. fairseq's other DDP backends (--other-backends: of pytorch_ddp, legacy_ddp, no_c10d) train
+   the ls_ model on N GPUs.
 4. Scaling by wall clock over whole epochs: each (--max-tokens per GPU, variant, ddp-backend) on
    1 and N GPUs runs --scaling-epochs whole epochs; its throughput is the target tokens of the
    epochs (fairseq's end-of-epoch wpb x updates, summed over the GPUs) over the wall-clock time
@@ -459,6 +459,9 @@ def main():
                     help="updates of the correctness runs (the issue asks for >= 200)")
     ap.add_argument("--correctness-backend", default="pytorch_ddp",
                     help="--ddp-backend of the correctness and resume runs (fairseq's default)")
+    ap.add_argument("--other-backends", default="pytorch_ddp,legacy_ddp,no_c10d",
+                    help="step 3: the DDP backends, besides --correctness-backend, that train 30 "
+                         "updates each (about 45 s each on 4 GPUs); '' for none")
     ap.add_argument("--init-scale", type=float, default=4.0,
                     help="--fp16-init-scale of the correctness runs: fairseq's 128 overflows "
                          "a different number of times on 1 GPU x update-freq N (fp16 sums of N "
@@ -590,7 +593,7 @@ def correctness(data, args, on_step=None):
     on_step(data_out)
 
     # 3: the other DDP backends
-    for other in [b for b in ("pytorch_ddp", "legacy_ddp", "no_c10d") if b != backend]:
+    for other in [b for b in args.other_backends.split(",") if b and b != backend]:
         d = f"/tmp/mg_{other}"
         os.makedirs(d, exist_ok=True)
         try:

@@ -439,3 +439,13 @@ def test_differing_loss_scales_are_named(fake_runs, monkeypatch, tmp_path, capsy
     assert "loss scales differ (2 GPUs: 4 4 4; 1 GPU: 2 2 2)" in capsys.readouterr().out
     c = json.loads((tmp_path / "mg.json").read_text())["correctness"]
     assert c["loss_scale_1_gpu_update_freq_n"] == [[10, 2.0], [20, 2.0], [30, 2.0]]
+
+
+def test_other_backends_are_chosen(fake_runs, monkeypatch, tmp_path):
+    out_json = tmp_path / "mg.json"
+    for flag, expected in (("legacy_ddp", ["legacy_ddp"]), ("", [])):
+        monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-scaling",
+                                          "--json", str(out_json), "--other-backends", flag])
+        multi_gpu.main()
+        c = json.loads(out_json.read_text())["correctness"]
+        assert [b["ddp_backend"] for b in c["other_backends"]] == expected
