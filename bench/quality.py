@@ -7,7 +7,9 @@ below with real ``fairseq-train`` on a learnable corpus for a fixed number of up
 seeds each, decodes the test set with ``fairseq-generate`` (beam search), and reports per seed
 and as mean ± s.d.: sacreBLEU, length ratio, the share of hypotheses with a repeated 3-gram
 ("loops"), and the final validation loss. Each variant's mean is compared with the baseline's:
-the acceptance rule is |Δ BLEU| ≤ 0.5 and |Δ length ratio| ≤ 0.03.
+the acceptance rule is |Δ BLEU| ≤ 0.5 and |Δ length ratio| ≤ 0.03. Beside it, not part of it:
+the medians' Δ BLEU and the runs more than 1.5 BLEU below their variant's median ("low"), since
+one bad run moves a mean of a few seeds past the band in either direction.
 
 Variants (fairseq's recipe otherwise: shared embeddings, adam (0.9, 0.98), inverse_sqrt,
 label smoothing 0.1, weight decay 1e-4, --fp16; by default a 3+3-layer, 256-wide Transformer,
@@ -320,6 +322,18 @@ def mean_sd(xs):
     return m, sd
 
 
+#: a run this far below its variant's median BLEU counts as "low" (reported, not judged)
+LOW_RUN_BLEU = 1.5
+
+
+def median(xs):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
 def summarize(rows, variants):
     """One summary per variant: mean/sd of each metric and the verdict against the baseline."""
     out = {}
@@ -329,12 +343,15 @@ def summarize(rows, variants):
                                                     if r["variant"] == v and "bleu" not in r))
         for k in ("bleu", "length_ratio", "loops", "valid_loss"):
             s[k], s[k + "_sd"] = mean_sd([r.get(k) for r in good])
+        s["bleu_median"] = median([r["bleu"] for r in good])
+        s["low_runs"] = sum(1 for r in good if r["bleu"] < s["bleu_median"] - LOW_RUN_BLEU)
         out[v] = s
     base = out.get("baseline")
     for v, s in out.items():
         if v == "baseline" or base is None or base["n"] == 0 or s["n"] == 0:
             continue
         s["d_bleu"] = s["bleu"] - base["bleu"]
+        s["d_bleu_median"] = s["bleu_median"] - base["bleu_median"]
         s["d_length_ratio"] = s["length_ratio"] - base["length_ratio"]
         s["pass"] = abs(s["d_bleu"]) <= MAX_BLEU_DELTA and \
             abs(s["d_length_ratio"]) <= MAX_LENGTH_RATIO_DELTA and s["n"] >= 3
@@ -347,17 +364,20 @@ def fmt(m, sd, digits):
 
 def tables(rows, summary):
     lines = ["| variant | n | BLEU | length ratio | loops | valid loss | Δ BLEU | Δ length | "
-             "verdict |", "|---|---:|---|---|---|---|---:|---:|---|"]
+             "verdict | median BLEU (Δ) | low |",
+             "|---|---:|---|---|---|---|---:|---:|---|---|---:|"]
     for v, s in summary.items():
         verdict = "reference" if v == "baseline" else (
             "–" if "pass" not in s else ("pass" if s["pass"] else "**FAIL**"))
         d_b = f"{s['d_bleu']:+.2f}" if "d_bleu" in s else ""
         d_l = f"{s['d_length_ratio']:+.3f}" if "d_length_ratio" in s else ""
+        med = "–" if s.get("bleu_median") is None else f"{s['bleu_median']:.2f}" + (
+            f" ({s['d_bleu_median']:+.2f})" if "d_bleu_median" in s else "")
         lines.append(f"| {v} | {s['n']} | {fmt(s['bleu'], s['bleu_sd'], 2)} | "
                      f"{fmt(s['length_ratio'], s['length_ratio_sd'], 3)} | "
                      f"{fmt(s['loops'], s['loops_sd'], 3)} | "
                      f"{fmt(s['valid_loss'], s['valid_loss_sd'], 3)} | {d_b} | {d_l} | "
-                     f"{verdict} |")
+                     f"{verdict} | {med} | {s.get('low_runs', 0)} |")
     lines += ["", "| variant | seed | BLEU | length ratio | loops | valid loss | updates | "
               "overflows | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (list(summary).index(r["variant"]), r["seed"])):

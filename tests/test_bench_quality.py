@@ -295,6 +295,20 @@ def test_verdict_against_the_baseline():
     assert s["ls_off"]["n"] == 0 and s["ls_off"]["failed"] == 1 and "pass" not in s["ls_off"]
     table = quality.tables(rows, s)
     assert "| criterion | 3 |" in table and "**FAIL**" in table and "fairseq-train exit 1" in table
+    assert s["criterion"]["bleu_median"] == pytest.approx(91.6)
+    assert "| 91.60 (+0.60) | 0 |" in table
+
+
+def test_medians_and_low_runs_are_reported_beside_the_verdict():
+    """One bad run in six moves the mean past the band; the median and the count of low runs
+    say so, and the verdict stays the mean's."""
+    rows = (_rows("baseline", [99.0, 99.2, 99.4, 99.1, 99.3, 99.2], [1.0] * 6)
+            + _rows("ls", [99.1, 99.3, 99.2, 95.0, 99.2, 99.3], [1.0] * 5 + [1.04]))
+    s = quality.summarize(rows, ["baseline", "ls"])
+    assert s["ls"]["d_bleu"] == pytest.approx(-0.683, abs=1e-3) and not s["ls"]["pass"]
+    assert s["ls"]["d_bleu_median"] == pytest.approx(0.0) and s["ls"]["low_runs"] == 1
+    assert s["baseline"]["low_runs"] == 0 and quality.median([]) is None
+    assert "| **FAIL** | 99.20 (+0.00) | 1 |" in quality.tables(rows, s)
 
 
 @pytest.mark.slow
