@@ -498,6 +498,13 @@ def main():
                     help="every figure as data: device, date, commit, command, the correctness "
                          "curves and gaps, each scaling row (written again after each run)")
     args = ap.parse_args()
+    backends = ("pytorch_ddp", "legacy_ddp", "no_c10d")
+    unknown = [b for b in args.other_backends.split(",") if b and b not in backends]
+    if unknown:
+        ap.error(f"--other-backends {args.other_backends}: {', '.join(unknown)} is not one of "
+                 f"{', '.join(backends)}")
+    if args.init_scale < 0:
+        ap.error(f"--init-scale {args.init_scale:g}: a loss scale is positive (0: fairseq's)")
     info = run_info(sys.argv[1:])
     print(f"Device: {', '.join(info['devices'])}; commit: {info['commit']}", flush=True)
     data = corpus(args.sentences, args.workers, args.workdir)

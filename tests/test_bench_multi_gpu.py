@@ -449,3 +449,14 @@ def test_other_backends_are_chosen(fake_runs, monkeypatch, tmp_path):
         multi_gpu.main()
         c = json.loads(out_json.read_text())["correctness"]
         assert [b["ddp_backend"] for b in c["other_backends"]] == expected
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--other-backends", "legacy_ddp,c10d"], "--other-backends legacy_ddp,c10d: c10d is not one"),
+    (["--init-scale", "-1"], "--init-scale -1: a loss scale is positive"),
+])
+def test_bad_correctness_flags_are_refused(monkeypatch, capsys, flags, message):
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--skip-scaling"] + flags)
+    with pytest.raises(SystemExit):
+        multi_gpu.main()
+    assert message in capsys.readouterr().err
