@@ -197,6 +197,9 @@ def corpus(sentences, workers, workdir=None):
     return e2e.preprocess(workdir, workers)
 
 
+#: fairseq's DDP backends that train the ls_ model (correctness, step 3)
+DDP_BACKENDS = ("pytorch_ddp", "legacy_ddp", "no_c10d")
+
 KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training|Loaded checkpoint|"
                   r"copy-engine-all-reduce")
 
@@ -459,7 +462,7 @@ def main():
                     help="updates of the correctness runs (the issue asks for >= 200)")
     ap.add_argument("--correctness-backend", default="pytorch_ddp",
                     help="--ddp-backend of the correctness and resume runs (fairseq's default)")
-    ap.add_argument("--other-backends", default="pytorch_ddp,legacy_ddp,no_c10d",
+    ap.add_argument("--other-backends", default=",".join(DDP_BACKENDS),
                     help="step 3: the DDP backends, besides --correctness-backend, that train 30 "
                          "updates each (about 45 s each on 4 GPUs); '' for none")
     ap.add_argument("--init-scale", type=float, default=4.0,
@@ -498,11 +501,10 @@ def main():
                     help="every figure as data: device, date, commit, command, the correctness "
                          "curves and gaps, each scaling row (written again after each run)")
     args = ap.parse_args()
-    backends = ("pytorch_ddp", "legacy_ddp", "no_c10d")
-    unknown = [b for b in args.other_backends.split(",") if b and b not in backends]
+    unknown = [b for b in args.other_backends.split(",") if b and b not in DDP_BACKENDS]
     if unknown:
         ap.error(f"--other-backends {args.other_backends}: {', '.join(unknown)} is not one of "
-                 f"{', '.join(backends)}")
+                 f"{', '.join(DDP_BACKENDS)}")
     if args.init_scale < 0:
         ap.error(f"--init-scale {args.init_scale:g}: a loss scale is positive (0: fairseq's)")
     info = run_info(sys.argv[1:])
@@ -743,12 +745,10 @@ def scaling(data, args, on_row=None):
             variant, backend, *own = spec.split(":")
             epochs = int(own[0]) if own else args.scaling_epochs
             base = e2e.VARIANTS[variant].get("single_gpu_as") or variant
+            key = (base, backend, mt)
             for gpus in (1, args.gpus):
-                key = (base, backend, mt)
                 if gpus == 1 and key in single:
-                    row = dict(single[key], variant=variant)
-                    if variant != base:
-                        row["same_run_as"] = base
+                    row = dict(single[key])
                 else:
                     run = base if gpus == 1 else variant
                     d = f"/tmp/mg_{run}_{backend}_{mt}_{gpus}"
@@ -763,8 +763,8 @@ def scaling(data, args, on_row=None):
                     row = scaling_row(log, mt, run, backend, gpus, epochs, error)
                     if gpus == 1:
                         single[key] = row
-                        if run != variant:
-                            row = dict(row, variant=variant, same_run_as=base)
+                if row["variant"] != variant:  # base's 1-GPU run, shared
+                    row = dict(row, variant=variant, same_run_as=row["variant"])
                 rows.append(row)
                 add_ratios(rows)
                 print(json.dumps(row), flush=True)

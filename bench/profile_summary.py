@@ -63,7 +63,7 @@ def summarize(prof, wall_s, steps):
     for s, e, name in kernels:
         d = e - s
         per_name[name] = per_name.get(name, 0.0) + d
-        if "memcpy" in name.lower() or "memset" in name.lower():
+        if _is_copy(name):
             cats["memcpy/memset"] += d
         elif ATTN.search(name):  # before GEMM: "fmha_cutlass..." matches both
             cats["attention"] += d

@@ -52,6 +52,7 @@ takes N times the tokens of a 1-GPU run: pass ``--max-tokens X/N`` to train as a
 import argparse
 import concurrent.futures
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -65,8 +66,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 USER_DIR = os.path.join(ROOT, "ls_fairseq")
-import fcntl  # noqa: E402
-
 import e2e  # noqa: E402  (its corpus binarisation)
 import learnable_corpus  # noqa: E402
 
@@ -205,8 +204,8 @@ def setup_text(a):
     return text
 
 
-VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \| nll_loss ([0-9.]+)")
-VALID_AT = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*?num_updates (\d+)")
+VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \| nll_loss ([0-9.]+) \|"
+                        r".*?num_updates (\d+)")
 UPDATES = re.compile(r"num_updates (\d+)")
 # fairseq's simple format: "epoch 001:    100 / 344 loss=9.1, nll_loss=..., num_updates=100, ..."
 TRAIN_INNER = re.compile(r"\bloss=([0-9.]+),.*?\bnum_updates=(\d+)")
@@ -223,7 +222,7 @@ def parse_train_log(text):
                 updates=int(updates[-1]) if updates else None,
                 overflows=text.count("gradient overflow detected"),
                 train_curve=[[int(u), float(l)] for l, u in TRAIN_INNER.findall(text)],
-                valid_curve=[[int(u), float(l)] for l, u in VALID_AT.findall(text)])
+                valid_curve=[[int(u), float(l)] for l, _, u in valid])
 
 
 def parse_generate(text):
@@ -264,10 +263,10 @@ def score(hyps, refs):
 def overlong_examples(hyps, refs, k=3, chars=200):
     """The ``k`` hypotheses longest against their references (words), with them: what an
     over-long run writes (loops, repeated words), kept in its row."""
-    worst = sorted(range(len(hyps)), key=lambda i: len(refs[i].split()) - len(hyps[i].split()))
+    extra = [len(h.split()) - len(r.split()) for h, r in zip(hyps, refs)]
+    worst = sorted(range(len(hyps)), key=lambda i: -extra[i])[:k]
     return [{"hypothesis": hyps[i][:chars], "reference": refs[i][:chars],
-             "extra_words": len(hyps[i].split()) - len(refs[i].split())} for i in worst[:k]
-            if len(hyps[i].split()) > len(refs[i].split())]
+             "extra_words": extra[i]} for i in worst if extra[i] > 0]
 
 
 def run_one(a, data, variant, seed, raw_refs, lock, port=None):

@@ -4,10 +4,11 @@
 // peer_export(t): a CPU uint8 tensor of kExportBytes: the IPC handle of the allocation that
 //   holds t (the caching allocator's segment: cudaIpcGetMemHandle wants the base of a cudaMalloc),
 //   t's byte offset in it and the segment's size.
-// peer_import(exported, device, nbytes): that whole segment (nbytes: its size, as exported), opened in this process on `device` (a uint8
-//   CUDA tensor on this process's device, backed by the other GPU's memory through peer access),
-//   so that copies into it are device-to-device copies the copy engines carry over NVLink. The
-//   mapping is closed when the tensor's storage is freed. Open each segment once per process.
+// peer_import(exported, device, nbytes): that whole segment (nbytes: its size, as exported),
+//   opened in this process on `device` (a uint8 CUDA tensor on this process's device, backed by
+//   the other GPU's memory through peer access), so that copies into it are device-to-device
+//   copies the copy engines carry over NVLink. The mapping is closed when the tensor's storage
+//   is freed. Open each segment once per process.
 //
 // Neither is differentiable; their fakes (ops/_peer_memory_cuda.py) give the shapes only.
 #include <cstring>

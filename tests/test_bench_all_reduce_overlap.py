@@ -14,4 +14,3 @@ def test_too_few_gpus_is_one_line(monkeypatch):
     with pytest.raises(SystemExit) as info:
         all_reduce_overlap.main()
     assert str(info.value) == "all_reduce_overlap: needs 2 GPUs, torch sees 1"
-
