@@ -130,6 +130,11 @@ VARIANTS["ls_grouped_fairseq"] = dict(_LS, single_gpu_as="ls", flags=["--grouped
 # (graphs/peer_all_reduce.py); ls_nccl_all_reduce keeps NCCL's all-reduce (same run on one GPU)
 VARIANTS["ls_nccl_all_reduce"] = dict(_LS, single_gpu_as="ls",
                                       flags=["--ls-no-copy-engine-all-reduce"])
+# several GPUs: the gradient buckets' size (--ls-all-reduce-bucket-mb, 25 by default); the same
+# run as ls on one GPU
+for _mb in (12, 50, 100):
+    VARIANTS[f"ls_bucket_{_mb}"] = dict(_LS, single_gpu_as="ls",
+                                        flags=["--ls-all-reduce-bucket-mb", str(_mb)])
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",
                                             flags=["--grouped-shuffling"])

@@ -7,11 +7,15 @@ other kernels and memory copies, and idle GPU time (launch gaps, host synchronis
 top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of the whole
 training loop (cProfile: which fairseq/ls_fairseq functions take the host's time between the
 GPU's work) and the call sites of every host synchronisation (torch's sync debug mode).
+With ``BENCH_PROFILE_TIMELINE=1`` each process also writes its window's GPU activities (start,
+duration, stream, bytes, name) beside its summary, as ``<summary>.timeline.json.gz``.
 """
 import cProfile
 import collections
 import contextlib
+import gzip
 import json
+import os
 import pstats
 import re
 import time
@@ -202,6 +206,33 @@ def _sync_site():
     return " <- ".join(f"{_short(f.filename)}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))
 
 
+def write_timeline(prof, path):
+    """The window's GPU activities, one row each: start and duration (us, from the first),
+    stream, bytes (copies) and name (kernels shortened): enough to place every rank's copies,
+    barriers and last backward kernels against each other offline."""
+    rows = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        rows.append([e.start_ns() / 1e3, e.duration_ns() / 1e3, e.device_resource_id(),
+                     _copy_bytes(e), _short_kernel(e.name())])
+    t0 = min((r[0] for r in rows), default=0.0)
+    for r in rows:
+        r[0] = round(r[0] - t0, 2)
+    rows.sort()
+    with gzip.open(path, "wt") as f:
+        json.dump({"columns": ["start_us", "dur_us", "stream", "bytes", "name"], "rows": rows}, f)
+
+
+def _copy_bytes(event):
+    if not _is_copy(event.name()):
+        return 0
+    try:
+        return int(json.loads("{" + event.metadata_json() + "}").get("bytes", 0))
+    except (ValueError, TypeError):
+        return event.nbytes()
+
+
 def _rank():
     import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
@@ -241,6 +272,9 @@ def install(at, steps, out_path=None):
             wall = time.perf_counter() - state["t0"]
             state["prof"].__exit__(None, None, None)
             state["summary"] = summarize(state["prof"], wall, steps)
+            if out_path and os.environ.get("BENCH_PROFILE_TIMELINE"):
+                write_timeline(state["prof"], out_path.format(rank=_rank() or 0)
+                               + ".timeline.json.gz")
             # batches differ: GPU time per token compares windows and runs
             tokens = state["tokens"] / steps
             state["summary"]["target_tokens_per_step"] = tokens
