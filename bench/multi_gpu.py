@@ -496,6 +496,8 @@ def main():
                     help="first profiled update; with ls_graphs, late enough that the batches "
                          "replay, and inside an epoch (an epoch boundary adds ~3 s)")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--profile-skip-one-gpu", action="store_true",
+                    help="profile on N GPUs only (the 1-GPU profile was taken in an earlier call)")
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--json", default=None,
                     help="every figure as data: device, date, commit, command, the correctness "
@@ -674,7 +676,7 @@ def profiles(data, args):
     at, steps = args.profile_at, args.profile_steps
     for spec in args.profile_variants.split(","):
         variant, backend = spec.split(":")
-        for gpus in (1, args.gpus):
+        for gpus in (1, args.gpus)[1 if args.profile_skip_one_gpu else 0:]:
             d = f"/tmp/mg_profile_{variant}_{backend}_{gpus}"
             os.makedirs(d, exist_ok=True)
             # beside the results ($OUT): the JSON has the per-update rows and host profile

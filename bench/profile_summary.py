@@ -228,7 +228,7 @@ def _copy_bytes(event):
     if not _is_copy(event.name()):
         return 0
     try:
-        return int(json.loads("{" + event.metadata_json() + "}").get("bytes", 0))
+        return int(json.loads("{" + event.metadata_json() + "}").get("bytes") or event.nbytes())
     except (ValueError, TypeError):
         return event.nbytes()
 
