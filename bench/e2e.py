@@ -135,10 +135,6 @@ VARIANTS["ls_nccl_all_reduce"] = dict(_LS, single_gpu_as="ls",
 for _mb in (12, 50, 100):
     VARIANTS[f"ls_bucket_{_mb}"] = dict(_LS, single_gpu_as="ls",
                                         flags=["--ls-all-reduce-bucket-mb", str(_mb)])
-# several GPUs: the copy-engine all-reduce's copies one after another on its side stream (the
-# first design) instead of a stream per peer (LS_FAIRSEQ_COPY_ENGINE_STREAMS)
-VARIANTS["ls_one_copy_stream"] = dict(_LS, single_gpu_as="ls",
-                                      env={"LS_FAIRSEQ_COPY_ENGINE_STREAMS": "one"})
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",
                                             flags=["--grouped-shuffling"])

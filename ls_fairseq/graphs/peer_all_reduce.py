@@ -19,11 +19,7 @@ rank ``k``. For bucket ``b``, on every rank ``r``, in stream order:
 4. **push the result**: shard ``r`` goes into every other rank's flat buffer, in place.
 
 After the last bucket one more barrier says every result has landed; the step's current stream
-waits for it. On the GPU the copies to different peers of one phase run side by side, each peer's
-on a stream of its own (pushes and result pushes on separate ones), so several copy engines carry
-them at once; a bucket's barrier waits for its pushes, the final barrier for every result push.
-``LS_FAIRSEQ_COPY_ENGINE_STREAMS=one`` issues every copy on the side stream, one after another
-(the first design; for A/B runs). Each shard is reduced by one rank only, so every rank ends with the same bits.
+waits for it. Each shard is reduced by one rank only, so every rank ends with the same bits.
 Staging holds, on rank ``r``, ``world - 1`` copies of its shards: (world - 1) / world of the
 gradients' size (210 MB for transformer big's fp16 gradients on 2 GPUs).
 
@@ -40,12 +36,11 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..ops import _extension, peer_memory
+from ..ops import peer_memory
 from ..ops.shard_reduce import shard_reduce_
 from .flat_gradients import ALIGN
 
 FLAG = "--ls-copy-engine-all-reduce"
-STREAMS_ENV = "LS_FAIRSEQ_COPY_ENGINE_STREAMS"  # its values: ops/_extension.py's ENV_VARS
 #: most GPUs: the shard sum kernel takes 15 received shards (csrc/shard_reduce.cu, kMaxParts)
 MAX_WORLD = 16
 
@@ -101,59 +96,40 @@ class PeerAllReduce:
     stream can wait on, or None.
     """
 
-    def __init__(self, plan, rank, flats, staging, peer_flats, peer_staging, barrier=None,
-                 parallel=False):
+    def __init__(self, plan, rank, flats, staging, peer_flats, peer_staging, barrier=None):
         self.plan, self.rank = plan, rank
         self.flats, self.staging = flats, staging
         self.peer_flats, self.peer_staging = peer_flats, peer_staging
         self.barrier = barrier
-        # CUDA: one stream per peer for pushes and one for result pushes (see the module doc)
-        self._lanes = (_Lanes(sorted(peer_staging), flats[0].device)
-                       if parallel and flats[0].is_cuda else None)
         # GradBuckets.issue hands over each bucket as the view flats[f][lo:hi]: found by address
         self._bucket_of = {(flats[f][lo:hi].data_ptr(), hi - lo): b
                            for b, (f, lo, hi) in enumerate(plan.buckets)}
+        self._views = {}  # bucket -> its _BucketViews, made at its first use
 
     # -- the four phases of one bucket ---------------------------------------------------------
 
     def push(self, b: int):
-        f = self.plan.buckets[b][0]
-        copies = []
-        for q, staging in self.peer_staging.items():
-            lo, hi = self.plan.shards[b][q]
-            if hi > lo:
-                start, end = self.plan.staged(self.rank, q, b)
-                copies.append((q, staging[f][start:end], self.flats[f][lo:hi]))
-        self._copy(copies, "push")
+        for dst, src in self._bucket_views(b).pushes:
+            dst.copy_(src, non_blocking=True)
 
     def reduce(self, b: int):
-        f = self.plan.buckets[b][0]
-        lo, hi = self.plan.shards[b][self.rank]
-        if hi <= lo:
-            return
-        parts = []
-        for q in range(self.plan.world):
-            if q != self.rank:
-                start, end = self.plan.staged(q, self.rank, b)
-                parts.append(self.staging[f][start:end])
-        shard_reduce_(self.flats[f][lo:hi], parts, 1.0 / self.plan.world)
+        views = self._bucket_views(b)
+        if views.shard is not None:
+            shard_reduce_(views.shard, views.parts, 1.0 / self.plan.world)
 
     def push_result(self, b: int):
-        f = self.plan.buckets[b][0]
-        lo, hi = self.plan.shards[b][self.rank]
-        if hi > lo:
-            self._copy([(q, flats[f][lo:hi], self.flats[f][lo:hi])
-                        for q, flats in self.peer_flats.items()], "result")
+        for dst, src in self._bucket_views(b).results:
+            dst.copy_(src, non_blocking=True)
 
-    def _copy(self, copies, kind):
-        """``(peer, destination, source)`` copies: on the current stream one after another, or
-        each on its peer's ``kind`` lane (a push's lanes rejoin the current stream at once: the
-        barrier behind it must see them land)."""
-        if self._lanes is None:
-            for _, dst, src in copies:
-                dst.copy_(src, non_blocking=True)
-            return
-        self._lanes.run(copies, kind, join=kind == "push")
+    def _bucket_views(self, b: int):
+        """Every tensor view the phases of bucket ``b`` touch, made once: the buffers live as long
+        as this object, and on 4 GPUs the host's time to queue an update is part of its wall time
+        (docs/PERFORMANCE.md, "Several GPUs"), so each phase only queues its copies or its
+        kernel."""
+        views = self._views.get(b)
+        if views is None:
+            views = self._views[b] = _BucketViews(self, b)
+        return views
 
     # -- GradBuckets.issue's reduce function ---------------------------------------------------
 
@@ -177,8 +153,6 @@ class PeerAllReduce:
 
     def finish(self):
         """After the last bucket: the barrier whose completion means every result has landed."""
-        if self._lanes is not None:
-            self._lanes.join("result")
         return self.barrier()
 
     @staticmethod
@@ -187,32 +161,32 @@ class PeerAllReduce:
             work.wait()  # NCCL: the current stream waits, not the host
 
 
-class _Lanes:
-    """Per peer, a CUDA stream for pushes and one for result pushes. ``run`` forks the copies off
-    the current stream (each lane waits for the work queued on it so far); ``join`` makes the
-    current stream wait for everything queued on one kind's lanes."""
+class _BucketViews:
+    """Bucket ``b``'s views on one rank: ``pushes`` and ``results``, ``(destination, source)``
+    copies (its shard of every other rank into that rank's staging; its own reduced shard into
+    every other rank's flat buffer); ``shard``, its own shard (None when empty), and ``parts``,
+    the staged copies the other ranks pushed, in rank order."""
 
-    def __init__(self, peers, device):
-        self.streams = {(q, kind): torch.cuda.Stream(device=device)
-                        for q in peers for kind in ("push", "result")}
+    __slots__ = ("pushes", "shard", "parts", "results")
 
-    def run(self, copies, kind, join):
-        current = torch.cuda.current_stream()
-        ready = torch.cuda.Event()
-        ready.record(current)
-        for q, dst, src in copies:
-            lane = self.streams[(q, kind)]
-            lane.wait_event(ready)
-            with torch.cuda.stream(lane):
-                dst.copy_(src, non_blocking=True)
-        if join:
-            self.join(kind)
-
-    def join(self, kind):
-        current = torch.cuda.current_stream()
-        for (_, k), lane in self.streams.items():
-            if k == kind:
-                current.wait_stream(lane)
+    def __init__(self, ar, b):
+        plan, rank = ar.plan, ar.rank
+        f = plan.buckets[b][0]
+        self.pushes = []
+        for q, staging in ar.peer_staging.items():
+            lo, hi = plan.shards[b][q]
+            if hi > lo:
+                start, end = plan.staged(rank, q, b)
+                self.pushes.append((staging[f][start:end], ar.flats[f][lo:hi]))
+        lo, hi = plan.shards[b][rank]
+        self.shard, self.parts, self.results = None, [], []
+        if hi > lo:
+            self.shard = ar.flats[f][lo:hi]
+            for q in range(plan.world):
+                if q != rank:
+                    start, end = plan.staged(q, rank, b)
+                    self.parts.append(ar.staging[f][start:end])
+            self.results = [(flats[f][lo:hi], self.shard) for flats in ar.peer_flats.values()]
 
 
 def _host_id() -> str:
@@ -330,9 +304,7 @@ def create(flats, buckets, group):
     def barrier():
         return dist.all_reduce(flag, group=group, async_op=True)
 
-    parallel = _extension.env_value(STREAMS_ENV) == "peers"
-    return PeerAllReduce(plan, rank, list(flats), staging, peers[0], peers[1], barrier,
-                         parallel), ""
+    return PeerAllReduce(plan, rank, list(flats), staging, peers[0], peers[1], barrier), ""
 
 
 def _attempt(fn, what="this rank's check failed"):

@@ -10,8 +10,7 @@ bit for bit, on every rank.
 On 2 ranks both are one rounding of (a + b) / 2 per element (tests/test_shard_reduce.py), so the
 results must be equal bit for bit, on both ranks, on the first update and on the next (the staging
 buffers are reused). The copies must be peer-to-peer (profiled: "Memcpy PtoP"), not staged through
-the host. Both ways of issuing the copies run (LS_FAIRSEQ_COPY_ENGINE_STREAMS): "peers" (the
-default) puts them on a push and a result stream per peer, "one" on the side stream alone.
+the host.
 """
 import pytest
 import torch
@@ -69,9 +68,6 @@ def _worker(rank):
                 torch.cuda.synchronize()
             out["copies"] = sorted({e.key for e in prof.key_averages()
                                     if e.key.startswith("Memcpy")})  # device copies only
-            out["copy_streams"] = len({e.device_resource_id()
-                                       for e in prof.profiler.kineto_results.events()
-                                       if e.name().startswith("Memcpy PtoP")})
         else:
             buckets.issue(grads.flats, [None] * len(buckets.buckets), peer)
         ours = [f.clone() for f in grads.flats]
@@ -116,13 +112,8 @@ def _worker_every_gpu(rank):
     return out
 
 
-STREAMS = pytest.mark.parametrize("streams", ("peers", "one"))
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 or more GPUs")
-@STREAMS
-def test_copy_engine_all_reduce_on_every_gpu(tmp_path, monkeypatch, streams):
-    monkeypatch.setenv("LS_FAIRSEQ_COPY_ENGINE_STREAMS", streams)  # the spawned workers' too
+def test_copy_engine_all_reduce_on_every_gpu(tmp_path):
     results = run_workers(tmp_path, _worker_every_gpu, world=torch.cuda.device_count(),
                           backend="nccl")
     for r in results:
@@ -134,16 +125,12 @@ def test_copy_engine_all_reduce_on_every_gpu(tmp_path, monkeypatch, streams):
                 assert torch.equal(a, b)
 
 
-@STREAMS
-def test_copy_engine_all_reduce_equals_nccl_legacy(tmp_path, monkeypatch, streams):
-    monkeypatch.setenv("LS_FAIRSEQ_COPY_ENGINE_STREAMS", streams)
+def test_copy_engine_all_reduce_equals_nccl_legacy(tmp_path):
     results = run_workers(tmp_path, _worker, backend="nccl")
     for r in results:
         assert r["reason"] == "" and r["buckets"] > 2
         assert r["equal_0"] and r["equal_1"]
         assert r["copies"] and all("PtoP" in c for c in r["copies"]), r["copies"]
-        # pushes and result pushes on a lane each (one peer), or both on the side stream
-        assert r["copy_streams"] == (2 if streams == "peers" else 1), r["copy_streams"]
     for update in range(2):
         for a, b in zip(results[0][f"bytes_{update}"], results[1][f"bytes_{update}"]):
             assert torch.equal(a, b)
