@@ -44,6 +44,7 @@ import sys
 
 import e2e
 import profile_summary
+import update_timeline
 from e2e import commit, gpu_names  # the call's device and commit, as every bench script
 from ls_fairseq.cli.compare.metrics import FULL_EPOCH
 
@@ -498,6 +499,10 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--profile-skip-one-gpu", action="store_true",
                     help="profile on N GPUs only (the 1-GPU profile was taken in an earlier call)")
+    ap.add_argument("--profile-timelines", action="store_true",
+                    help="each profiled rank also writes its GPU timeline (BENCH_PROFILE_TIMELINE) "
+                         "and bench/update_timeline.py splits every update after its backward: "
+                         "all-reduce wait, clip, optimizer, idle until the next update")
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--json", default=None,
                     help="every figure as data: device, date, commit, command, the correctness "
@@ -534,8 +539,10 @@ def main():
         save()
         print(text, flush=True)
     if args.profile:
-        out.append(profiles(data, args))
-        print(out[-1], flush=True)
+        text, results["profiles"] = profiles(data, args)
+        out.append(text)
+        save()
+        print(text, flush=True)
     if not args.skip_scaling:
         def partial(rows):
             results["scaling"] = {"epochs": args.scaling_epochs, "rows": add_ratios(rows)}
@@ -671,8 +678,10 @@ def profiles(data, args):
     """Where an update's time goes on 1 and N GPUs (bench/profile_summary.py in every worker), and
     where the host waits for the GPU. On N GPUs each update is split per rank into NCCL kernels
     (transfer, plus waiting for the slower rank), other kernels and idle GPU time: a rank's
-    compute next to the other's shows how unequal the ranks' batches are."""
-    mt, found, lines = args.max_tokens[0], [], []
+    compute next to the other's shows how unequal the ranks' batches are. With
+    ``--profile-timelines``, bench/update_timeline.py's split of each update after its backward.
+    Returns (the text, the figures as data)."""
+    mt, found, lines, timelines = args.max_tokens[0], [], [], []
     at, steps = args.profile_at, args.profile_steps
     for spec in args.profile_variants.split(","):
         variant, backend = spec.split(":")
@@ -682,7 +691,8 @@ def profiles(data, args):
             # beside the results ($OUT): the JSON has the per-update rows and host profile
             out = os.path.join(LOG_DIR, f"profile_{variant}_{backend}_{gpus}gpu_{{rank}}.json")
             env = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_STEPS": str(steps),
-                   "BENCH_PROFILE_OUT": out}
+                   "BENCH_PROFILE_OUT": out,
+                   "BENCH_PROFILE_TIMELINE": "1" if args.profile_timelines else ""}
             name = f"{variant} ({backend}), {gpus} GPU{'s' if gpus > 1 else ''}"
             try:
                 train(data, variant, mt, gpus, 1, at + steps + 2 + profile_summary.PY_STEPS + 1, d,
@@ -696,6 +706,8 @@ def profiles(data, args):
                                   "profile": prof})
                 if gpus > 1:
                     lines.append(ranks_table(name, ranks))
+                if args.profile_timelines:
+                    timelines += [out.format(rank=r) + ".timeline.json.gz" for r in range(gpus)]
             except (RuntimeError, OSError) as e:
                 found.append({"variant": name, "error": str(e)[-300:]})
     head = [f"Profiles at max-tokens {mt} (per GPU), updates {at}-{at + steps - 1}:",
@@ -711,7 +723,12 @@ def profiles(data, args):
         if s.get("host_syncs_per_step_by_site"):
             head.append(f"\nHost syncs per update, {p['variant']}: " + "; ".join(
                 f"{site} {n:.1f}" for site, n in s["host_syncs_per_step_by_site"][:8]))
-    return "\n".join(head + lines)
+    split = update_timeline.summarize(timelines) if timelines else None
+    if split:
+        lines.append("\nAfter the backward (bench/update_timeline.py): " + update_timeline.markdown(
+            split))
+    return "\n".join(head + lines), {"max_tokens": mt, "at": at, "steps": steps,
+                                    "profiles": found, "update_timeline": split}
 
 
 def ranks_table(name, ranks):

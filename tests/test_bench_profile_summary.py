@@ -36,3 +36,17 @@ def test_ranks_table_prints_copies_and_the_cost_of_unequal_batches():
     assert "| 0 | 8.0 / 1.0 / 0.5 / 0.2 | 9.0 / 1.0 / 0.5 / 0.2 | 10.0 |" in text
     # max - mean: 0.5 and 1.0
     assert "max - mean compute per update 0.75 ms on average over 2 updates" in text
+
+
+def test_timeline_file_is_what_update_timeline_reads(tmp_path):
+    """write_timeline's columns are update_timeline.load's (a CPU profile has no GPU rows)."""
+    import torch
+
+    import update_timeline
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(3).add_(1)
+    path = str(tmp_path / "p.json.timeline.json.gz")
+    profile_summary.write_timeline(prof, path)
+    assert update_timeline.load(path) == []
+    assert update_timeline.updates([]) == []
