@@ -20,10 +20,14 @@ Each ``--sleep-ms`` value adds that much host time to every update (a ``time.sle
 the update is GPU-bound, and shortening the host's work would not speed it up.
 
     python bench/host_slack.py --max-tokens 8192 --sleep-ms 0 4
+    python bench/host_slack.py --gpus 4 --variant ls --sentences 200000 --sleep-ms 0 2
+
+On several GPUs (``--gpus``) the probe runs in every rank and each rank's row is printed.
 """
 import argparse
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -48,7 +52,11 @@ def _timed(fn, bucket):
 _iterators.BufferedIterator.__next__ = _timed(_iterators.BufferedIterator.__next__, "data")
 _meters.safe_round = _timed(_meters.safe_round, "log")
 _train_step = _trainer.Trainer.train_step
+_rank = []
 def _probed_train_step(self, *a, **k):
+    if not _rank:
+        import torch.distributed as _dist
+        _rank.append(_dist.get_rank() if _dist.is_available() and _dist.is_initialized() else 0)
     start = time.perf_counter()
     out = _train_step(self, *a, **k)
     if _sleep:
@@ -57,7 +65,8 @@ def _probed_train_step(self, *a, **k):
     _waits["data"] = _waits["log"] = 0.0
     return out
 _trainer.Trainer.train_step = _probed_train_step
-atexit.register(lambda: print("HOST_SLACK_RECORDS", repr(_records), flush=True))
+atexit.register(lambda: _rank and print(f"HOST_SLACK_RECORDS rank={_rank[0]}", repr(_records),
+                                        flush=True))
 """
 
 
@@ -79,22 +88,60 @@ def summarize(records, skip_fraction=0.5):
             "other": 1e3 * (period - step - data - log)}
 
 
+RECORDS = re.compile(r"^HOST_SLACK_RECORDS rank=(\d+) (.*)$", re.M)
+
+
+def parse_all_records(text):
+    """Each rank's records (the last printed per rank), by rank."""
+    return {int(rank): ast.literal_eval(records) for rank, records in RECORDS.findall(text)}
+
+
 def parse_records(text):
-    found = [line for line in text.splitlines() if line.startswith("HOST_SLACK_RECORDS ")]
-    return ast.literal_eval(found[-1][len("HOST_SLACK_RECORDS "):]) if found else []
+    """The lowest rank's records (the only rank on one GPU); [] if none."""
+    found = parse_all_records(text)
+    return found[min(found)] if found else []
 
 
 def markdown(rows):
     lines = ["| sleep ms | updates | period ms | train_step ms | data wait | log reads | other | "
              "steady wps (intervals) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for sleep, s, wps in rows:
+        label = sleep if isinstance(sleep, str) else f"{sleep:g}"  # str: "4 (rank 1)"
         if s is None:
-            lines.append(f"| {sleep:g} | – | – | – | – | – | – | – |")
+            lines.append(f"| {label} | – | – | – | – | – | – | – |")
             continue
-        lines.append(f"| {sleep:g} | {s['updates']} | {s['period']:.2f} | {s['train_step']:.2f} | "
+        lines.append(f"| {label} | {s['updates']} | {s['period']:.2f} | {s['train_step']:.2f} | "
                      f"{s['data_wait']:.2f} | {s['log_reads']:.2f} | {s['other']:.2f} | "
                      f"{e2e.fmt(wps, ',.0f')} |")
     return "\n".join(lines)
+
+
+def run_one_gpu(args, data, sleep):
+    cmd = e2e.train_cmd(data, args.variant, args.max_tokens, args.epochs, 1, args.extra,
+                        wrapper=PROBE + e2e.WRAPPER)
+    env = dict(e2e.train_env(args.variant), HOST_SLACK_SLEEP_MS=str(sleep))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        print(log[-3000:], file=sys.stderr)
+    return log
+
+
+def run_gpus(args, data, sleep):
+    """fairseq's distributed training on ``--gpus`` GPUs (bench/multi_gpu.py's runner): the probe
+    runs in every rank (its sitecustomize execs PROBE when HOST_SLACK_SLEEP_MS is set)."""
+    import multi_gpu
+
+    save_dir = f"/tmp/host_slack_{args.variant}_{args.gpus}"
+    os.makedirs(save_dir, exist_ok=True)
+    try:
+        return multi_gpu.train(data, args.variant, args.max_tokens, args.gpus, 1, 0, save_dir,
+                               ["--no-save"] + list(args.extra), args.ddp_backend,
+                               env_extra={"HOST_SLACK_SLEEP_MS": str(sleep)},
+                               epochs=args.epochs)
+    except RuntimeError as e:
+        print(str(e), file=sys.stderr)
+        return str(e)
 
 
 def main():
@@ -102,31 +149,49 @@ def main():
     ap.add_argument("--variant", default="ls_deferred", choices=sorted(e2e.VARIANTS))
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--sleep-ms", type=float, nargs="+", default=[0.0, 4.0])
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="fairseq's distributed training on this many GPUs (each rank timed)")
+    ap.add_argument("--ddp-backend", default="pytorch_ddp", help="with --gpus > 1")
     ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
     ap.add_argument("--sentences", type=int, default=40000)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--json", help="write every row (each rank's on several GPUs) here")
     ap.add_argument("extra", nargs="*", help="extra fairseq-train flags (after --)")
     args = ap.parse_args()
+    if args.gpus < 1:
+        ap.error(f"--gpus {args.gpus}: at least 1")
+    if any(s < 0 for s in args.sleep_ms):
+        ap.error("--sleep-ms: a time to add is >= 0")
     if not os.path.exists(os.path.join(args.workdir, "train.en")):
         e2e.make_corpus(args.workdir, args.sentences, 32000)
     data = e2e.preprocess(args.workdir, args.workers)
-    cmd = e2e.train_cmd(data, args.variant, args.max_tokens, args.epochs, 1, args.extra,
-                        wrapper=PROBE + e2e.WRAPPER)
-    rows = []
+    rows, table = [], []
     for sleep in args.sleep_ms:
-        env = dict(e2e.train_env(args.variant), HOST_SLACK_SLEEP_MS=str(sleep))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0:
-            print(log[-3000:], file=sys.stderr)
+        log = (run_gpus if args.gpus > 1 else run_one_gpu)(args, data, sleep)
         inner, _, _, _ = e2e.parse_log(log)
         wps = e2e.interval_wps(inner, args.epochs, e2e.interval_ends(log))
-        rows.append((sleep, summarize(parse_records(log)), wps))
-        print(f"sleep {sleep:g} ms: {rows[-1][1]}", flush=True)
-    print(f"\n{args.variant}, --max-tokens {args.max_tokens}, the run's second half, ms per "
-          "update (host clock):\n")
-    print(markdown(rows))
+        found = parse_all_records(log) or {0: []}
+        for rank, records in sorted(found.items()):
+            s = summarize(records)
+            label = f"{sleep:g}" if args.gpus == 1 else f"{sleep:g} (rank {rank})"
+            table.append((label, s, wps))
+            rows.append({"sleep_ms": sleep, "rank": rank, "summary": s, "wps_intervals": wps})
+            print(f"sleep {label} ms: {s}", flush=True)
+    print(f"\n{args.variant}, --max-tokens {args.max_tokens}, {args.gpus} GPU(s), the run's second "
+          "half, ms per update (host clock):\n")
+    print(markdown(table))
+    if args.json:
+        import datetime
+        import json
+        import shlex
+
+        with open(args.json, "w") as f:
+            json.dump({"devices": e2e.gpu_names(), "date": str(datetime.date.today()),
+                       "commit": e2e.commit(),
+                       "command": "python bench/host_slack.py " + shlex.join(sys.argv[1:]),
+                       "variant": args.variant, "max_tokens": args.max_tokens,
+                       "gpus": args.gpus, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,10 @@ if os.environ.get("BENCH_PROFILE_AT"):
     sys.path.insert(0, os.environ["BENCH_HERE"])
     import profile_summary
     profile_summary.install_from_env()
+if os.environ.get("HOST_SLACK_SLEEP_MS"):  # bench/host_slack.py --gpus N: its probe in every rank
+    sys.path.insert(0, os.environ["BENCH_HERE"])
+    import host_slack
+    exec(host_slack.PROBE, {"__name__": "host_slack_probe"})
 
 
 def _bench_rank():

@@ -62,3 +62,37 @@ def test_probe_times_every_update_of_a_real_fairseq_train(tmp_path):
     assert [r[0] for r in records] == sorted(r[0] for r in records)
     assert sum(r[2] for r in records) > 0  # the data loader's waits are timed
     assert sum(r[3] for r in records) > 0  # and the log reads (every --log-interval updates)
+
+
+def test_records_are_read_per_rank():
+    """Each rank prints its records at exit; on one GPU the only rank is 0."""
+    log = ("noise\nHOST_SLACK_RECORDS rank=1 [(1.0, 2.0, 0.0, 0.0)]\n"
+           "HOST_SLACK_RECORDS rank=0 [(3.0, 4.0, 0.5, 0.0)]\nmore noise\n")
+    assert host_slack.parse_all_records(log) == {0: [(3.0, 4.0, 0.5, 0.0)],
+                                                 1: [(1.0, 2.0, 0.0, 0.0)]}
+    assert host_slack.parse_records(log) == [(3.0, 4.0, 0.5, 0.0)]
+    assert host_slack.parse_records("no records") == []
+
+
+def test_markdown_takes_a_label_per_rank():
+    s = host_slack.summarize(_records(40, 0.025, 0.02, 0.0, 0.0))
+    assert host_slack.markdown([("2 (rank 3)", s, None)]).splitlines()[2].startswith(
+        "| 2 (rank 3) | 19 |")
+
+
+def test_every_rank_runs_the_probe_through_the_sitecustomize():
+    """bench/multi_gpu.py's sitecustomize (on every rank's PYTHONPATH) installs the probe when
+    HOST_SLACK_SLEEP_MS is set, and only then."""
+    import multi_gpu
+
+    code = "from fairseq import trainer; print(trainer.Trainer.train_step.__name__)"
+    for sleep, expected in (("0", "_probed_train_step"), (None, "train_step")):
+        env = dict(os.environ, BENCH_HERE=os.path.dirname(e2e.__file__),
+                   PYTHONPATH=multi_gpu._sitecustomize_dir())
+        env.pop("HOST_SLACK_SLEEP_MS", None)
+        if sleep is not None:
+            env["HOST_SLACK_SLEEP_MS"] = sleep
+        proc = e2e.subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split()[-1] == expected
