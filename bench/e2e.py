@@ -135,6 +135,9 @@ VARIANTS["ls_nccl_all_reduce"] = dict(_LS, single_gpu_as="ls",
 for _mb in (12, 50, 100):
     VARIANTS[f"ls_bucket_{_mb}"] = dict(_LS, single_gpu_as="ls",
                                         flags=["--ls-all-reduce-bucket-mb", str(_mb)])
+# several GPUs: the copy-engine all-reduce with its barriers as one kernel over flags in peer
+# memory (LS_FAIRSEQ_PEER_BARRIER=flags) instead of NCCL's one-element all-reduces
+VARIANTS["ls_flag_barrier"] = dict(_LS, single_gpu_as="ls", env={"LS_FAIRSEQ_PEER_BARRIER": "flags"})
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",
                                             flags=["--grouped-shuffling"])

@@ -186,8 +186,8 @@ def test_ops_raise_on_cpu_under_require(monkeypatch):
 # once the extension is loaded (_extension.when_loaded) and imports without the extension.
 BINDINGS = ("_adam_cuda", "_attention_cuda", "_bias_act_dropout_cuda", "_bias_dropout_residual_cuda",
             "_bias_dropout_residual_layer_norm_cuda", "_cross_entropy_cuda", "_decode_attention_cuda",
-            "_embedding_cuda", "_fp8_quantize_cuda", "_layer_norm_cuda", "_peer_memory_cuda",
-            "_shard_reduce_cuda")
+            "_embedding_cuda", "_fp8_quantize_cuda", "_layer_norm_cuda", "_peer_barrier_cuda",
+            "_peer_memory_cuda", "_shard_reduce_cuda")
 
 
 def test_when_loaded_runs_each_callback_once_after_a_successful_load(monkeypatch):
@@ -527,6 +527,8 @@ with FakeTensorMode():
     sc = torch.empty(1, 2)
     calls["multi_tensor_adam_moment_max"] = o.multi_tensor_adam_moment_max([p], [p], [p.half()], [p.half()], None, sc, sc, found, sc, 0.9, 0.98, 1.0) is None
     calls["shard_reduce_"] = o.shard_reduce_(x, [x, x], 1 / 3) is None
+    fl = torch.empty(3, dtype=torch.long)
+    calls["peer_barrier_"] = o.peer_barrier_(fl, [fl, fl], 1, 5) is None
     gpu = torch.empty(100, device="cuda:1")
     calls["peer_export"] = tuple(o.peer_export(gpu).shape) == (80,)
     seg = o.peer_import(torch.empty(80, dtype=torch.uint8), 1, 4096)

@@ -12,8 +12,10 @@ rank ``k``. For bucket ``b``, on every rank ``r``, in stream order:
 
 1. **push**: rank ``r``'s copy of shard ``k`` goes into rank ``k``'s staging buffer, for every
    ``k != r`` (a copy into peer memory: a copy engine carries it);
-2. **barrier**: a one-element NCCL all-reduce; when it completes, every rank's pushes of bucket
-   ``b`` have landed;
+2. **barrier**: a one-element NCCL all-reduce (or, with ``LS_FAIRSEQ_PEER_BARRIER=flags``,
+   ``ops.peer_barrier``'s kernel: flags written into the other ranks' memory, one host launch
+   instead of a collective and its wait); when it completes, every rank's pushes of bucket ``b``
+   have landed;
 3. **reduce**: shard ``r`` becomes (own + the ``world - 1`` staged copies, in rank order) /
    world, accumulated in float32 and rounded once (``ops.shard_reduce``);
 4. **push the result**: shard ``r`` goes into every other rank's flat buffer, in place.
@@ -36,11 +38,14 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..ops import peer_memory
+from ..ops import _extension, peer_barrier, peer_memory
 from ..ops.shard_reduce import shard_reduce_
 from .flat_gradients import ALIGN
 
 FLAG = "--ls-copy-engine-all-reduce"
+#: the barrier between the phases: "nccl" (a one-element all-reduce, the default) or "flags"
+#: (ops.peer_barrier: one kernel, one host launch); its values: ops/_extension.py's ENV_VARS
+BARRIER_ENV = "LS_FAIRSEQ_PEER_BARRIER"
 #: most GPUs: the shard sum kernel takes 15 received shards (csrc/shard_reduce.cu, kMaxParts)
 MAX_WORLD = 16
 
@@ -249,11 +254,12 @@ def create(flats, buckets, group):
         # CPU ranks (gloo): the same on every rank, no exchange needed
         return None, "the gradients are not on a CUDA device"
     device = flats[0].device.index
+    flag_barrier = _extension.env_value(BARRIER_ENV) == "flags"
 
     # 1. each rank's own conditions, its host and its GPU
     info, failed = _attempt(lambda: {
-        "reason": _local_check(flats, group), "host": _host_id(),
-        "uuid": str(torch.cuda.get_device_properties(device).uuid)})
+        "reason": _local_check(flats, group) or _barrier_check(flag_barrier, flats[0]),
+        "host": _host_id(), "uuid": str(torch.cuda.get_device_properties(device).uuid)})
     infos = _everyone(info or {"reason": failed}, group, world)
     reason = _first_reason(infos)
     # 2. every other rank's GPU reachable from this one
@@ -266,11 +272,15 @@ def create(flats, buckets, group):
     # 3. staging buffers, and the IPC handles of every buffer
     plan = ShardPlan(buckets, [f.numel() for f in flats], world)
 
+    # the flag barrier's flags (one int64 per rank) travel with the buffers
+    signals = [torch.zeros(world, dtype=torch.int64, device=flats[0].device)] if flag_barrier \
+        else []
+
     def share():
         staging = [torch.zeros(max(plan.staging_numel(rank, f), 1), dtype=flat.dtype,
                                device=flat.device) for f, flat in enumerate(flats)]
         try:
-            return staging, [peer_memory.export(t) for t in list(flats) + staging], ""
+            return staging, [peer_memory.export(t) for t in list(flats) + staging + signals], ""
         except RuntimeError as exc:  # e.g. expandable segments: no IPC handles
             return None, None, f"its buffers cannot be shared between processes ({_line(exc)})"
 
@@ -283,28 +293,56 @@ def create(flats, buckets, group):
 
     # 4. every other rank's buffers opened in this process
     def open_peers():
-        peer_flats, peer_staging = {}, {}
+        peer_flats, peer_staging, peer_signals = {}, {}, {}
+        nf = len(flats)
         for q in range(world):
             if q == rank:
                 continue
             views = peer_memory.open_segments(everyone[q]["exported"], device)
-            sizes = ([f.numel() for f in flats]
-                     + [plan.staging_numel(q, f) for f in range(len(flats))])
+            sizes = ([f.numel() for f in flats] + [plan.staging_numel(q, f) for f in range(nf)]
+                     + [world] * len(signals))
             typed = [v[:_nbytes(t, n)].view(t.dtype)
-                     for v, t, n in zip(views, list(flats) + staging, sizes)]
-            peer_flats[q], peer_staging[q] = typed[:len(flats)], typed[len(flats):]
-        return peer_flats, peer_staging
+                     for v, t, n in zip(views, list(flats) + staging + signals, sizes)]
+            peer_flats[q], peer_staging[q] = typed[:nf], typed[nf:2 * nf]
+            peer_signals[q] = typed[2 * nf:]
+        return peer_flats, peer_staging, peer_signals
 
     peers, failed = _attempt(open_peers, "opening another rank's memory failed")
     reason = _first_reason(_everyone({"reason": failed}, group, world))
     if reason:
         return None, reason
-    flag = torch.zeros(1, device=flats[0].device)
+    if flag_barrier:
+        barrier = FlagBarrier(signals[0], [peers[2][q][0] for q in sorted(peers[2])], rank)
+    else:
+        flag = torch.zeros(1, device=flats[0].device)
 
-    def barrier():
-        return dist.all_reduce(flag, group=group, async_op=True)
+        def barrier():
+            return dist.all_reduce(flag, group=group, async_op=True)
 
     return PeerAllReduce(plan, rank, list(flats), staging, peers[0], peers[1], barrier), ""
+
+
+class FlagBarrier:
+    """The barrier by flags in peer memory (``ops.peer_barrier``, ``LS_FAIRSEQ_PEER_BARRIER=flags``):
+    each call queues the next numbered barrier on the current stream; nothing to wait for after
+    it (the kernel itself holds the stream until every rank has arrived). Every rank calls it the
+    same number of times, in the same order, as it would NCCL's."""
+
+    def __init__(self, flags, peer_flags, rank):
+        self.flags, self.peer_flags, self.rank = flags, list(peer_flags), rank
+        self.epoch = 0  # this rank's barriers so far
+
+    def __call__(self):
+        self.epoch += 1
+        peer_barrier.peer_barrier_(self.flags, self.peer_flags, self.rank, self.epoch)
+        return None
+
+
+def _barrier_check(flag_barrier, t) -> str:
+    """Why this rank cannot take the barrier LS_FAIRSEQ_PEER_BARRIER asks for (empty: it can)."""
+    if flag_barrier and not peer_barrier.available(t):
+        return f"{BARRIER_ENV}=flags needs the ls_fairseq CUDA extension's peer_barrier_"
+    return ""
 
 
 def _attempt(fn, what="this rank's check failed"):

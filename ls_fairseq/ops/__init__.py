@@ -70,6 +70,7 @@ BINDINGS = (
     "_embedding_cuda",
     "_fp8_quantize_cuda",
     "_layer_norm_cuda",
+    "_peer_barrier_cuda",
     "_peer_memory_cuda",
     "_shard_reduce_cuda",
 )

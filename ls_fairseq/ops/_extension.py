@@ -44,6 +44,7 @@ ENV_VARS = {
     "LS_FAIRSEQ_DETERMINISTIC": _FLAG,  # ops/_embedding_cuda.py
     "LS_FAIRSEQ_VERBOSE_BUILD": _FLAG,  # the JIT build's compiler output
     "LS_FAIRSEQ_GENERATOR": ("graphs", "eager", "fairseq"),  # generation/generator.py
+    "LS_FAIRSEQ_PEER_BARRIER": ("nccl", "flags"),  # graphs/peer_all_reduce.py
 }
 #: compiler flags of the JIT build (tests/test_csrc_compiles.py compiles csrc/ with the same ones)
 #: No -std flag: torch's cpp_extension adds the standard torch itself was built with (C++20 for

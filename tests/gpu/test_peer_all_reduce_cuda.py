@@ -10,7 +10,8 @@ bit for bit, on every rank.
 On 2 ranks both are one rounding of (a + b) / 2 per element (tests/test_shard_reduce.py), so the
 results must be equal bit for bit, on both ranks, on the first update and on the next (the staging
 buffers are reused). The copies must be peer-to-peer (profiled: "Memcpy PtoP"), not staged through
-the host.
+the host. Both barriers between the phases run (LS_FAIRSEQ_PEER_BARRIER): NCCL's one-element
+all-reduce and ops.peer_barrier's flags in peer memory.
 """
 import pytest
 import torch
@@ -112,8 +113,13 @@ def _worker_every_gpu(rank):
     return out
 
 
+BARRIERS = pytest.mark.parametrize("barrier", ("nccl", "flags"))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 or more GPUs")
-def test_copy_engine_all_reduce_on_every_gpu(tmp_path):
+@BARRIERS
+def test_copy_engine_all_reduce_on_every_gpu(tmp_path, monkeypatch, barrier):
+    monkeypatch.setenv("LS_FAIRSEQ_PEER_BARRIER", barrier)  # the spawned workers' too
     results = run_workers(tmp_path, _worker_every_gpu, world=torch.cuda.device_count(),
                           backend="nccl")
     for r in results:
@@ -125,7 +131,9 @@ def test_copy_engine_all_reduce_on_every_gpu(tmp_path):
                 assert torch.equal(a, b)
 
 
-def test_copy_engine_all_reduce_equals_nccl_legacy(tmp_path):
+@BARRIERS
+def test_copy_engine_all_reduce_equals_nccl_legacy(tmp_path, monkeypatch, barrier):
+    monkeypatch.setenv("LS_FAIRSEQ_PEER_BARRIER", barrier)
     results = run_workers(tmp_path, _worker, backend="nccl")
     for r in results:
         assert r["reason"] == "" and r["buckets"] > 2
