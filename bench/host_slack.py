@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 import e2e  # noqa: E402
+import multi_gpu  # noqa: E402
 
 # Prepended to e2e.WRAPPER (which then runs fairseq-train in the same interpreter).
 PROBE = r"""
@@ -130,8 +131,6 @@ def run_one_gpu(args, data, sleep):
 def run_gpus(args, data, sleep):
     """fairseq's distributed training on ``--gpus`` GPUs (bench/multi_gpu.py's runner): the probe
     runs in every rank (its sitecustomize execs PROBE when HOST_SLACK_SLEEP_MS is set)."""
-    import multi_gpu
-
     save_dir = f"/tmp/host_slack_{args.variant}_{args.gpus}"
     os.makedirs(save_dir, exist_ok=True)
     try:
@@ -152,7 +151,9 @@ def main():
     ap.add_argument("--gpus", type=int, default=1,
                     help="fairseq's distributed training on this many GPUs (each rank timed)")
     ap.add_argument("--ddp-backend", default="pytorch_ddp", help="with --gpus > 1")
-    ap.add_argument("--workdir", default="/tmp/ls_bench_e2e")
+    ap.add_argument("--workdir", default=None,
+                    help="corpus directory (default /tmp/ls_bench_e2e, or ..._<sentences> for "
+                         "another --sentences, as bench/multi_gpu.py)")
     ap.add_argument("--sentences", type=int, default=40000)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=8)
@@ -163,9 +164,7 @@ def main():
         ap.error(f"--gpus {args.gpus}: at least 1")
     if any(s < 0 for s in args.sleep_ms):
         ap.error("--sleep-ms: a time to add is >= 0")
-    if not os.path.exists(os.path.join(args.workdir, "train.en")):
-        e2e.make_corpus(args.workdir, args.sentences, 32000)
-    data = e2e.preprocess(args.workdir, args.workers)
+    data = multi_gpu.corpus(args.sentences, args.workers, args.workdir)
     rows, table = [], []
     for sleep in args.sleep_ms:
         log = (run_gpus if args.gpus > 1 else run_one_gpu)(args, data, sleep)
