@@ -72,12 +72,12 @@ void peer_barrier_(at::Tensor flags, at::TensorList peer_flags, int64_t rank, in
                   p.numel() >= world && p.device() == flags.device(),
               "peer_barrier_: every peer's flags must be a contiguous int64 tensor of world size "
               "(", world, ") on flags' device (", flags.device(), ")");
-    peers.p[j] = p.data_ptr<long long>();
+    peers.p[j] = static_cast<long long*>(p.data_ptr());
   }
   if (world == 1) return;
   c10::cuda::CUDAGuard guard(flags.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flags.device().index());
-  peer_barrier_kernel<<<1, 32, 0, stream>>>(flags.data_ptr<long long>(), peers,
+  peer_barrier_kernel<<<1, 32, 0, stream>>>(static_cast<long long*>(flags.data_ptr()), peers,
                                             static_cast<int>(rank), static_cast<int>(world),
                                             static_cast<long long>(epoch));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

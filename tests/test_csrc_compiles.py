@@ -232,3 +232,31 @@ def test_objects_link_into_one_library(object_dir):
     cmd = [os.environ.get("CXX", "c++"), "-shared", "-o", str(object_dir / "linked.so")] + objects
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PER_FILE_TIMEOUT_S)
     assert proc.returncode == 0, "csrc objects do not link:\n" + (proc.stdout + proc.stderr)[-4000:]
+
+
+ACCESSOR = re.compile(r"at::TensorBase::(?:mutable_|const_)?data_ptr<[^()]*>\(\) const")
+
+
+@pytest.mark.skipif(NVCC is None or shutil.which("nm") is None,
+                    reason="nvcc or nm not found")
+def test_objects_use_only_tensor_accessors_torch_defines(object_dir):
+    """A tensor accessor template (``data_ptr<T>``, ``mutable_data_ptr<T>``, ``const_data_ptr<T>``)
+    exists in torch's library only for the C++ type of each scalar type. Another ``T`` (``long
+    long`` for int64, which is ``long`` here) compiles, but the extension then fails to load with
+    an undefined symbol, and every kernel with it. Each accessor the objects of test_compiles
+    leave undefined must be one libtorch_cpu defines."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    defined = set(ACCESSOR.findall(subprocess.run(
+        ["nm", "-D", "-C", "--defined-only", lib], capture_output=True, text=True).stdout))
+    assert defined, f"no tensor accessors read from {lib}"
+    objects = sorted(str(object_dir / (os.path.basename(s) + ".o")) for s in SOURCES)
+    missing = [o for o in objects if not os.path.exists(o)]
+    if missing:
+        pytest.fail(f"not compiled (see test_compiles): {', '.join(map(os.path.basename, missing))}")
+    bad = {}
+    for o in objects:
+        used = set(ACCESSOR.findall(subprocess.run(
+            ["nm", "-C", "--undefined-only", o], capture_output=True, text=True).stdout))
+        if used - defined:
+            bad[os.path.basename(o)] = sorted(used - defined)
+    assert not bad, f"accessors torch does not define (use int64_t, not long long): {bad}"
