@@ -69,6 +69,8 @@ def _create_worker(rank, mode):
     grads = FlatGradients(_model_params())
     buckets = GradBuckets(grads.flats, grads.spans, 1000)
     peer, reason = peer_all_reduce.create(grads.flats, buckets.buckets, dist.group.WORLD)
+    if peer is None:
+        return {"reason": reason}
     b = peer.barrier
     out = {"reason": reason, "kind": type(b).__name__, "exported": len(exported),
            "flats": len(grads.flats)}
@@ -76,6 +78,22 @@ def _create_worker(rank, mode):
         out.update(flags=(b.flags.dtype, b.flags.numel()), peers=len(b.peer_flags),
                    peer=(b.peer_flags[0].dtype, b.peer_flags[0].numel()), rank=b.rank)
     return out
+
+
+def _create_worker_per_rank(rank, modes):
+    import os
+
+    os.environ["LS_FAIRSEQ_PEER_BARRIER"] = modes[rank]
+    return _create_worker(rank, modes[rank])
+
+
+def test_ranks_that_disagree_on_the_barrier_keep_nccl_all_reduce(tmp_path):
+    """A rank with the flags and one without would never pair their barriers: both are told."""
+    from fairseq_helpers import run_workers
+
+    results = run_workers(tmp_path, _create_worker_per_rank, ("flags", "nccl"))
+    for r in results:
+        assert r["reason"] == "the ranks do not all set LS_FAIRSEQ_PEER_BARRIER alike"
 
 
 @pytest.mark.parametrize("mode", ("nccl", "flags"))

@@ -259,9 +259,12 @@ def create(flats, buckets, group):
     # 1. each rank's own conditions, its host and its GPU
     info, failed = _attempt(lambda: {
         "reason": _local_check(flats, group) or _barrier_check(flag_barrier, flats[0]),
-        "host": _host_id(), "uuid": str(torch.cuda.get_device_properties(device).uuid)})
+        "host": _host_id(), "uuid": str(torch.cuda.get_device_properties(device).uuid),
+        "flags": flag_barrier})
     infos = _everyone(info or {"reason": failed}, group, world)
     reason = _first_reason(infos)
+    if not reason and len({i.get("flags", flag_barrier) for i in infos}) > 1:
+        reason = f"the ranks do not all set {BARRIER_ENV} alike"  # their barriers would not pair
     # 2. every other rank's GPU reachable from this one
     if not reason:
         found, failed = _attempt(lambda: _visible_peers(infos, rank, device))
