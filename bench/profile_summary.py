@@ -8,7 +8,7 @@ top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of
 training loop (cProfile: which fairseq/ls_fairseq functions take the host's time between the
 GPU's work) and the call sites of every host synchronisation (torch's sync debug mode).
 With ``BENCH_PROFILE_TIMELINE=1`` each process also writes its window's GPU activities (start,
-duration, stream, bytes, name) beside its summary, as ``<summary>.timeline.json.gz``.
+duration, stream, name) beside its summary, as ``<summary>.timeline.json.gz``.
 """
 import cProfile
 import collections
@@ -208,29 +208,20 @@ def _sync_site():
 
 def write_timeline(prof, path):
     """The window's GPU activities, one row each: start and duration (us, from the first),
-    stream, bytes (copies) and name (kernels shortened): enough to place every rank's copies,
-    barriers and last backward kernels against each other offline."""
+    stream and name (kernels shortened): enough to place every rank's copies, barriers and last
+    backward kernels against each other offline."""
     rows = []
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != torch.autograd.DeviceType.CUDA:
             continue
         rows.append([e.start_ns() / 1e3, e.duration_ns() / 1e3, e.device_resource_id(),
-                     _copy_bytes(e), _short_kernel(e.name())])
+                     _short_kernel(e.name())])
     t0 = min((r[0] for r in rows), default=0.0)
     for r in rows:
         r[0] = round(r[0] - t0, 2)
     rows.sort()
     with gzip.open(path, "wt") as f:
-        json.dump({"columns": ["start_us", "dur_us", "stream", "bytes", "name"], "rows": rows}, f)
-
-
-def _copy_bytes(event):
-    if not _is_copy(event.name()):
-        return 0
-    try:
-        return int(json.loads("{" + event.metadata_json() + "}").get("bytes") or event.nbytes())
-    except (ValueError, TypeError):
-        return event.nbytes()
+        json.dump({"columns": ["start_us", "dur_us", "stream", "name"], "rows": rows}, f)
 
 
 def _rank():

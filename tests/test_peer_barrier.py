@@ -25,11 +25,11 @@ def test_a_rank_arrives_only_when_every_other_rank_has_signalled(world):
         late = epoch % world  # this rank signals last
         for r in range(world):
             if r != late:
-                peer_barrier.signal(flags[r], peers[r], r, epoch)
+                peer_barrier.signal(peers[r], r, epoch)
         for r in range(world):
             # everyone but `late` still waits for it; `late` has seen all the others
             assert peer_barrier.arrived(flags[r], r, epoch) == (r == late)
-        peer_barrier.signal(flags[late], peers[late], late, epoch)
+        peer_barrier.signal(peers[late], late, epoch)
         assert all(peer_barrier.arrived(flags[r], r, epoch) for r in range(world))
         assert not any(peer_barrier.arrived(flags[r], r, epoch + 1) for r in range(world))
 

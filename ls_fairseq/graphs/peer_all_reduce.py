@@ -334,10 +334,11 @@ class FlagBarrier:
     def __init__(self, flags, peer_flags, rank):
         self.flags, self.peer_flags, self.rank = flags, list(peer_flags), rank
         self.epoch = 0  # this rank's barriers so far
+        self._launch = peer_barrier.bind(flags, self.peer_flags, rank)  # checked once, here
 
     def __call__(self):
         self.epoch += 1
-        peer_barrier.peer_barrier_(self.flags, self.peer_flags, self.rank, self.epoch)
+        self._launch(self.epoch)
         return None
 
 

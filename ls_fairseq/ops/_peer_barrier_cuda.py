@@ -8,10 +8,6 @@ import torch
 
 from . import _extension
 
-#: the kernel's limit (csrc/peer_barrier.cu, kMaxWorld: a thread per other rank, one warp)
-MAX_WORLD = 32
-
-
 def _register():
     @torch.library.register_fake("ls_fairseq::peer_barrier_")
     def _fake(flags, peer_flags, rank, epoch):

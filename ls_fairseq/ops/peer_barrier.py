@@ -15,6 +15,8 @@ There is no math, so no reference of the result: on the CPU, :func:`signal` and 
 give the kernel's effect on the flags step by step, for tests that drive several ranks in one
 process.
 """
+import functools
+
 from . import _extension
 
 
@@ -24,7 +26,7 @@ def available(flags) -> bool:
             and _extension.has_op("peer_barrier_"))
 
 
-def signal(flags, peer_flags, rank: int, epoch: int):
+def signal(peer_flags, rank: int, epoch: int):
     """Rank ``rank``'s half of barrier ``epoch`` on the CPU: its slot of every other rank's flags
     (``peer_flags``, in rank order, without ``rank``'s own) set to ``epoch``."""
     for peer in peer_flags:
@@ -36,14 +38,21 @@ def arrived(flags, rank: int, epoch: int) -> bool:
     return all(int(flags[q]) >= epoch for q in range(flags.numel()) if q != rank)
 
 
-def peer_barrier_(flags, peer_flags, rank: int, epoch: int):
-    """Queues barrier ``epoch`` of rank ``rank`` on the current stream (see the module doc):
-    the kernel ends once every other rank has queued and reached its own."""
-    if epoch <= 0:
-        raise ValueError(f"peer_barrier_: epoch must be positive, got {epoch}")
+def bind(flags, peer_flags, rank: int):
+    """Rank ``rank``'s barriers on these flags: a function of the barrier's number that queues it
+    on the current stream. The kernel's availability is checked here, once: the copy-engine
+    all-reduce queues a barrier per gradient bucket, every update."""
     if not available(flags):
         raise RuntimeError("peer_barrier_ needs the ls_fairseq CUDA extension and a CUDA tensor "
                            "(peer_all_reduce checks available() first)")
     from . import _peer_barrier_cuda as cuda
 
-    cuda.peer_barrier_cuda(flags, peer_flags, rank, epoch)
+    return functools.partial(cuda.peer_barrier_cuda, flags, list(peer_flags), rank)
+
+
+def peer_barrier_(flags, peer_flags, rank: int, epoch: int):
+    """Queues barrier ``epoch`` of rank ``rank`` on the current stream (see the module doc):
+    the kernel ends once every other rank has queued and reached its own."""
+    if epoch <= 0:
+        raise ValueError(f"peer_barrier_: epoch must be positive, got {epoch}")
+    bind(flags, peer_flags, rank)(epoch)
