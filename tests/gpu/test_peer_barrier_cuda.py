@@ -18,6 +18,19 @@ CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep: the other rank is sure to wa
 @pytest.fixture(scope="module", autouse=True)
 def _kernels(extension):
     assert extension.has_op("peer_barrier_")
+    # One process plays every rank here, so every kernel the tests launch is loaded first: with
+    # CUDA's lazy loading, a kernel's first launch may wait for the whole device, and with a
+    # barrier kernel spinning for a rank this same thread has yet to queue, that wait never ends.
+    # (Across processes it cannot: a barrier waits only for other processes' signals.)
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(1)
+    x.copy_(torch.full_like(x, 1.0))
+    assert bool((x == 1).all())
+    flags = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in range(2)]
+    flags[0][1] = 1  # rank 1 has arrived: rank 0's barrier returns at once
+    peer_barrier.peer_barrier_(flags[0], [flags[1]], 0, 1)
+    torch.cuda.synchronize()
+    assert flags[1].tolist() == [1, 0]
 
 
 def test_the_copy_before_a_barrier_is_seen_after_the_other_ranks():
@@ -80,4 +93,7 @@ def test_opcheck():
     flags = torch.tensor([0, 1 << 40], dtype=torch.int64, device="cuda")  # rank 1 long arrived
     peer = torch.zeros(2, dtype=torch.int64, device="cuda")
     torch.library.opcheck(torch.ops.ls_fairseq.peer_barrier_.default, (flags, [peer], 0, 7))
+    # opcheck runs the op on copies of its arguments; the kernel's effect, on these:
+    peer_barrier.peer_barrier_(flags, [peer], 0, 7)
+    torch.cuda.synchronize()
     assert peer.tolist() == [7, 0]
