@@ -22,6 +22,9 @@ The cost model, GPU-bound as ls_'s step is (docs/PERFORMANCE.md, "Known limits")
 * an update on N > 1 GPUs waits for its slowest rank, plus ``--reduce-ms`` of all-reduce not
   hidden under the backward.
 
+``--shape-policy`` tries designs that are not built (``POLICIES``): the ranks of an update pad
+by different amounts, as each pads to an earlier shape of its own within the slack.
+
 Scaling = (one GPU's time for the epoch's batches) / (N GPUs' time for them): what
 ``bench/multi_gpu.py`` measures by wall clock, less what the model leaves out (the data
 loader, the host's share, the all-reduce's interference beyond ``--reduce-ms``).
@@ -42,7 +45,7 @@ from shape_buckets import batch_shapes, fairseq_batches  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterionConfig as CriterionConfig,
 )
-from ls_fairseq.graphs.shape_buckets import ShapeBuckets, token_slots  # noqa: E402
+from ls_fairseq.graphs.shape_buckets import ShapeBuckets, bucket, token_slots  # noqa: E402
 from ls_fairseq.testing.fairseq_helpers import IndexDataset  # noqa: E402
 
 # the criterion's defaults: --ls-shape-buckets, --ls-shape-bucket-slack
@@ -63,47 +66,78 @@ def epoch_order(n_batches, ranks, epoch, seed, grouped):
             for rank in range(ranks)]
 
 
+#: ``--shape-policy``: how the ranks of an update choose their padded shapes (N > 1)
+POLICIES = {
+    "own": "each rank its own ShapeBuckets (the product)",
+    "cap": "each rank its own, but an earlier shape only up to the largest grid shape of the "
+           "update's batches (the ranks can know each other's lengths)",
+    "shared": "one shape list for all ranks, fed the update's batches largest first",
+}
+
+
 class Rank:
     """One GPU: its padding and the shapes it holds graphs for."""
 
-    def __init__(self):
-        self.buckets = ShapeBuckets(BUCKETS, SLACK)
+    def __init__(self, buckets=None):
+        self.buckets = buckets if buckets is not None else ShapeBuckets(BUCKETS, SLACK)
         self.captured = set()
 
-    def step(self, raw, rate_s, capture_s):
-        """Seconds of one step of the batch of (rows, source, target) shape ``raw``."""
-        shape = self.buckets.shape_for(raw)
+    def step(self, shape, rate_s, capture_s):
+        """Seconds of one step at padded ``shape``."""
         seconds = token_slots(shape) * rate_s
         if shape not in self.captured:
             self.captured.add(shape)
             seconds += capture_s
-        return seconds, shape
+        return seconds
 
 
-def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s):
+def padded_shapes(gpus, batches, policy):
+    """Each rank's padded shape for the update's raw (rows, source, target) ``batches``."""
+    if policy == "shared":  # gpus share one ShapeBuckets
+        shapes = [None] * len(batches)
+        for i in sorted(range(len(batches)), key=lambda i: -token_slots(batches[i])):
+            shapes[i] = gpus[i].buckets.shape_for(batches[i])
+        return shapes
+    if policy == "own":
+        return [gpu.buckets.shape_for(b) for gpu, b in zip(gpus, batches)]
+    cap = max(token_slots(tuple(bucket(n, BUCKETS) for n in b)) for b in batches)
+    shapes = []
+    for gpu, b in zip(gpus, batches):  # the budget (1 + slack) * own slots, capped
+        gpu.buckets.slack = min(SLACK, cap / token_slots(b) - 1)
+        shapes.append(gpu.buckets.shape_for(b))
+        gpu.buckets.slack = SLACK
+    return shapes
+
+
+def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, policy="own"):
     """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
-    share of updates whose ranks ran one shape. One GPU (``ranks`` 1) is the reference."""
-    gpus = [Rank() for _ in range(ranks)]
+    share of updates whose ranks ran one shape, the most shapes a rank holds graphs for. One GPU
+    (``ranks`` 1, always ``own``) is the reference; ``policy``: :data:`POLICIES`."""
+    if ranks == 1:
+        policy = "own"
+    common = ShapeBuckets(BUCKETS, SLACK) if policy == "shared" else None
+    gpus = [Rank(common) for _ in range(ranks)]
     out = []
     for epoch in range(1, epochs + 1):
         shards = epoch_order(len(raw), ranks, epoch, seed, grouped)
         seconds = straggle = 0.0
         captures = same_shape = 0
         for update in zip(*shards):
-            costs, shapes = [], []
-            for gpu, b in zip(gpus, update):
+            # fairseq's dummy batch (a short shard) repeats a real batch's work, loss * 0
+            batches = [raw[b if b is not None else update[0]] for b in update]
+            shapes = padded_shapes(gpus, batches, policy)
+            costs = []
+            for gpu, shape in zip(gpus, shapes):
                 before = len(gpu.captured)
-                # fairseq's dummy batch (a short shard) repeats a real batch's work, loss * 0
-                c, s = gpu.step(raw[b if b is not None else update[0]], rate_s, capture_s)
+                costs.append(gpu.step(shape, rate_s, capture_s))
                 captures += len(gpu.captured) - before
-                costs.append(c)
-                shapes.append(s)
             seconds += max(costs) + (reduce_s if ranks > 1 else 0.0)
             straggle += max(costs) - sum(costs) / len(costs)
             same_shape += len(set(shapes)) == 1
         updates = len(shards[0])
         out.append(dict(epoch=epoch, seconds=seconds, straggler_s=straggle, captures=captures,
-                        updates=updates, same_shape_updates=same_shape / updates))
+                        updates=updates, same_shape_updates=same_shape / updates,
+                        shapes_per_rank=max(len(g.captured) for g in gpus)))
     return out
 
 
@@ -124,6 +158,10 @@ def main(argv=None):
                          "on 2x H100 (docs/PERFORMANCE.md, Several GPUs)")
     ap.add_argument("--reduce-ms", type=float, default=1.5,
                     help="all-reduce time per update not hidden under the backward")
+    ap.add_argument("--shape-policy", choices=sorted(POLICIES), default="own",
+                    help="how the ranks of an update choose their padded shapes on N GPUs: "
+                         + "; ".join(f"{k}: {v}" for k, v in POLICIES.items())
+                         + ". Only 'own' is built.")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
@@ -139,13 +177,14 @@ def main(argv=None):
     rows = []
     print(f"{a.sentences:,} pairs, --max-tokens {a.max_tokens}: {len(raw):,} batches; one GPU "
           f"{a.wps:,.0f} wps replaying; capture {a.capture_ms:g} ms, all-reduce "
-          f"{a.reduce_ms:g} ms\n")
+          f"{a.reduce_ms:g} ms; shape policy {a.shape_policy}\n")
     print("| GPUs | shuffling | epoch | updates | scaling | straggler share | captures | "
-          "updates of one shape |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          "updates of one shape | shapes per rank |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for n in a.gpus:
         for grouped in (False, True):
-            sim = simulate(raw, n, a.epochs, a.seed, grouped, rate_s, capture_s, reduce_s)
+            sim = simulate(raw, n, a.epochs, a.seed, grouped, rate_s, capture_s, reduce_s,
+                           a.shape_policy)
             for ref, e in zip(one, sim):
                 row = dict(gpus=n, grouped_shuffling=grouped, **e,
                            scaling=ref["seconds"] / e["seconds"],
@@ -153,7 +192,8 @@ def main(argv=None):
                 rows.append(row)
                 print(f"| {n} | {'grouped' if grouped else 'fairseq default'} | {e['epoch']} | "
                       f"{e['updates']} | {row['scaling']:.2f}x | {row['straggler_share']:.1%} | "
-                      f"{e['captures']} | {e['same_shape_updates']:.0%} |")
+                      f"{e['captures']} | {e['same_shape_updates']:.0%} | "
+                      f"{e['shapes_per_rank']} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(args=vars(a), batches=len(raw), target_tokens=sum(tgt_tokens),
