@@ -40,3 +40,29 @@ def test_model_of_the_step():
         assert by[True, epoch]["straggler_share"] < by[False, epoch]["straggler_share"]
         assert by[True, epoch]["scaling"] > by[False, epoch]["scaling"]
         assert 0 < by[True, epoch]["scaling"] <= 4.0
+
+
+def test_shape_policies():
+    """``cap``: no rank pads past the update's largest grid shape (or its own grid shape), where
+    ``own`` may take an earlier, larger shape within the slack; ``shared``: one shape list, so
+    ranks with the same raw batch pad alike whatever each saw before."""
+    from ls_fairseq.graphs.shape_buckets import bucket, token_slots
+
+    def grid(b):
+        return token_slots(tuple(bucket(n, shard_balance.BUCKETS) for n in b))
+
+    big, small = (40, 100, 110), (40, 95, 100)
+    for policy, expect_reuse in (("own", True), ("cap", False)):
+        gpus = [shard_balance.Rank() for _ in range(2)]
+        shard_balance.padded_shapes(gpus, [big, big], policy)  # both ranks hold big's shape
+        shapes = shard_balance.padded_shapes(gpus, [small, small], policy)
+        reused = token_slots(shapes[0]) == grid(big)
+        assert reused == expect_reuse, policy
+        if policy == "cap":
+            assert all(token_slots(s) <= grid(small) for s in shapes)
+
+    common = shard_balance.ShapeBuckets(shard_balance.BUCKETS, shard_balance.SLACK)
+    gpus = [shard_balance.Rank(common) for _ in range(2)]
+    shard_balance.padded_shapes(gpus, [big, small], "shared")  # only rank 0 ran big
+    shapes = shard_balance.padded_shapes(gpus, [small, small], "shared")
+    assert shapes[0] == shapes[1]
