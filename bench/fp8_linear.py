@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import cuda_event_ms  # noqa: E402
 
 from ls_fairseq.modules import sublayers  # noqa: E402
+from ls_fairseq.ops import _extension  # noqa: E402
 from ls_fairseq.ops import fp8_linear as fp8  # noqa: E402
 from ls_fairseq.testing.fairseq_helpers import (  # noqa: E402
     build_model,
@@ -75,13 +76,20 @@ def linear_calls(arch, extra=()):
         calls[sides[rows], weight.size(1), weight.size(0), bias is not None] += 1
         return F.linear(x, weight, bias)
 
-    original = sublayers.fp8_linear
+    original, mode = sublayers.fp8_linear, os.environ.get(_extension.ENV_VAR)
     sublayers.fp8_linear = record  # linear_of reads the module's global at each call
+    # the recording forward runs on the CPU: the reference ops, even where the timed runs
+    # require the kernels (under LS_FAIRSEQ_KERNELS=require a CPU tensor is an error)
+    os.environ[_extension.ENV_VAR] = "off"
     try:
         with torch.no_grad():
             model(**sample["net_input"])
     finally:
         sublayers.fp8_linear = original
+        if mode is None:
+            del os.environ[_extension.ENV_VAR]
+        else:
+            os.environ[_extension.ENV_VAR] = mode
     if not calls:
         raise RuntimeError(f"{arch} with --ls-fp8 made no fp8_linear call in training")
     return calls

@@ -3,6 +3,7 @@ fp8_linear in training (counted per side and shape against the architecture), an
 per-step totals add up as its docstring says. On the CPU only the reference path runs: this checks
 the script, not speed."""
 import json
+import os
 
 import pytest
 
@@ -15,13 +16,21 @@ TINY = (f"--encoder-layers {LAYERS} --decoder-layers {LAYERS} --encoder-embed-di
         "--encoder-attention-heads 2 --decoder-attention-heads 2")
 
 
-def test_calls_are_the_models_linears():
+@pytest.mark.parametrize("kernels", [None, "require"])
+def test_calls_are_the_models_linears(monkeypatch, kernels):
     """Per layer: the encoder's fused QKV (bias), attention output, fc1, fc2; the decoder's the
     same plus the cross-attention query (bias) and output (the keys and values of the encoder
-    output stay F.linear: cross_attention_kv.py). Biases of the others are fused downstream."""
+    output stay F.linear: cross_attention_kv.py). Biases of the others are fused downstream.
+    The recording forward runs on the CPU under LS_FAIRSEQ_KERNELS=require too (the GPU runs set
+    it), and leaves the variable as it was."""
+    if kernels is None:
+        monkeypatch.delenv("LS_FAIRSEQ_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("LS_FAIRSEQ_KERNELS", kernels)
     original = sublayers.fp8_linear
     calls = fp8_linear.linear_calls("ls_transformer", TINY.split())
     assert sublayers.fp8_linear is original
+    assert os.environ.get("LS_FAIRSEQ_KERNELS") == kernels
     expect = {
         ("source", D, 3 * D, True): LAYERS, ("source", D, D, False): LAYERS,
         ("source", D, FFN, False): LAYERS, ("source", FFN, D, False): LAYERS,
