@@ -85,6 +85,9 @@ VARIANTS = {
     # the same in bf16 (--bf16: no loss scaling)
     "ls_bf16": dict(_LS, bf16=True),
     "ls_fp8": dict(_LS, flags=["--ls-fp8"]),  # the README's command + FP8 layer matmuls
+    # FP8 in one part of each layer only (--ls-fp8-layers)
+    "ls_fp8_ffn": dict(_LS, flags=["--ls-fp8", "--ls-fp8-layers", "ffn"]),
+    "ls_fp8_attention": dict(_LS, flags=["--ls-fp8", "--ls-fp8-layers", "attention"]),
     # the three mechanisms required by their flags (what "ls" ran before they were defaults)
     "ls_flags": dict(_LS, flags=["--ls-fused-fp16-copy", "--ls-cuda-graphs",
                                  "--ls-deferred-overflow-check"]),

@@ -96,6 +96,11 @@ VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-grouped-shuf
 VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
 # several GPUs: ``ls`` sums gradients by copy engines (graphs/peer_all_reduce.py); this keeps NCCL's
 VARIANTS["ls_nccl_all_reduce"] = dict(VARIANTS["ls"], flags=["--ls-no-copy-engine-all-reduce"])
+# FP8 matmuls in the layers (--ls-fp8, issue 39), in all of them or in one part of each layer
+VARIANTS["ls_fp8"] = dict(VARIANTS["ls"], flags=["--ls-fp8"])
+VARIANTS["ls_fp8_ffn"] = dict(VARIANTS["ls"], flags=["--ls-fp8", "--ls-fp8-layers", "ffn"])
+VARIANTS["ls_fp8_attention"] = dict(VARIANTS["ls"],
+                                    flags=["--ls-fp8", "--ls-fp8-layers", "attention"])
 DEFAULT_VARIANTS = "baseline,arch,criterion,optimizer,ls,ls_bf16,ls_eager,ls_off"
 
 # model sizes: fairseq's transformer options (the ls_ architectures take the same)

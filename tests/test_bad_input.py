@@ -256,6 +256,13 @@ FLAG_CASES = [
      "--ls-copy-engine-all-reduce: it is part of the CUDA-graph engine; drop --ls-no-cuda-graphs"),
     (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"],
      "--ls-deferred-overflow-check needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
+    # (its need for --ls-fp8 is checked when the model is built: tests/test_fp8_linear.py)
+    (["--ls-fp8", "--ls-fp8-layers", "ffn,mlp"],
+     "usage: argument --ls-fp8-layers: 'ffn,mlp': a comma-separated list of attention, ffn "
+     "(unknown: mlp)"),
+    (["--ls-fp8", "--ls-fp8-layers", ""],
+     "usage: argument --ls-fp8-layers: '': a comma-separated list of attention, ffn (unknown: "
+     "none given)"),
 ]
 #: --ls-* switches that take no value (their contradicting pairs are cases above)
 SWITCHES = {"--ls-fused-output-ce", "--ls-async-stats", "--ls-cuda-graphs", "--ls-no-cuda-graphs",

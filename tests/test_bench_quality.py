@@ -119,6 +119,11 @@ def test_variant_command_lines():
     assert eager[-3:] == ["--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs",
                           "--ls-no-deferred-overflow-check"]
     assert eager[eager.index("--seed") + 1] == "3"
+    for name in ("ls_fp8", "ls_fp8_ffn", "ls_fp8_attention"):  # issue 39: FP8 on the ls command
+        cmd = quality.train_cmd(a, "bin", name, 1, "run")
+        flags = quality.VARIANTS[name]["flags"]
+        assert cmd[-len(flags):] == flags and flags[0] == "--ls-fp8"
+        assert cmd[:-len(flags)] == quality.train_cmd(a, "bin", "ls", 1, "run")
     bf16 = quality.train_cmd(a, "bin", "ls_bf16", 3, "run")
     assert "--bf16" in bf16 and "--fp16" not in bf16 and "--user-dir" in bf16
     assert quality.VARIANTS["ls_off"]["env"] == {"LS_FAIRSEQ_KERNELS": "off"}

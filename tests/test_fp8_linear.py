@@ -480,6 +480,45 @@ def test_flag_in_the_parser():
     assert model_args("ls_transformer_wmt_en_de_big_t2t", FP8_TINY + ["--ls-fp8"]).ls_fp8 is True
 
 
+@pytest.mark.parametrize("layers, ffn, attention", [
+    (None, True, True), ("ffn", True, False), ("attention", False, True),
+    (" attention , ffn ", True, True),
+])
+def test_fp8_layers_choose_the_parts(dictionary, monkeypatch, layers, ffn, attention):
+    """--ls-fp8-layers: the FFN's fc1/fc2 and the attention projections (self and cross) run in
+    FP8 as listed; the others keep F.linear. Counted in one training forward of 2 + 2 layers:
+    attention 2 per encoder layer, 4 per decoder layer; FFN 2 per layer."""
+    extra = FP8_TINY + ["--ls-fp8"] + ([] if layers is None else ["--ls-fp8-layers", layers])
+    model = build_model("ls_transformer", dictionary, extra, seed=1)
+    for layer in (*model.encoder.layers, *model.decoder.layers):
+        assert layer.fp8 is ffn and layer.self_attn.fp8 is attention
+    assert all(layer.encoder_attn.fp8 is attention for layer in model.decoder.layers)
+
+    calls = []
+    linear = fp8.fp8_linear_fwd
+    monkeypatch.setattr(fp8, "fp8_linear_fwd", lambda *a: calls.append(a[0].shape) or linear(*a))
+    model.train()
+    model(**random_sample(dictionary, 3, 6, 5, torch.Generator().manual_seed(0))["net_input"])
+    assert len(calls) == (2 * 2 + 2 * 4) * attention + (2 * 2 + 2 * 2) * ffn
+
+
+def test_fp8_layers_bad_input(dictionary):
+    """--ls-fp8-layers without --ls-fp8 fails when the model is built, naming both flags; a bad
+    list fails at parse time (tests/test_bad_input.py), and in a config that skipped the parser
+    (an edited checkpoint) when the model is built, naming the flag."""
+    with pytest.raises(ValueError, match="^--ls-fp8-layers 'ffn' needs --ls-fp8$"):
+        build_model("ls_transformer", dictionary, FP8_TINY + ["--ls-fp8-layers", "ffn"])
+    from ls_fairseq.models.ls_transformer import fp8_layers
+
+    cfg = model_args("ls_transformer", FP8_TINY + ["--ls-fp8"])
+    cfg.ls_fp8_layers = "ffn,mlp"
+    with pytest.raises(ValueError, match=r"^--ls-fp8-layers 'ffn,mlp': a comma-separated list "
+                                         r"of attention, ffn \(unknown: mlp\)$"):
+        fp8_layers(cfg)
+    cfg.ls_fp8_layers = "ffn"
+    assert fp8_layers(cfg) == {"ffn"}
+
+
 def _loss(model, sample, pad):
     out, _ = model(**sample["net_input"])
     lprobs = torch.log_softmax(out.float(), -1).view(-1, out.size(-1))

@@ -6,11 +6,12 @@ same state_dict keys and shapes (checkpoints move between the two with
 built from :mod:`ls_fairseq.modules`, whose layers run the fused ops; the decoder projects the
 encoder output to the cross-attention keys/values of all its layers in one GEMM.
 """
+import argparse
 import functools
 import importlib.util
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, Optional
 
 import torch
 import torch.nn as nn
@@ -93,9 +94,44 @@ def _embed_scale(cfg: TransformerConfig, embed_dim: int) -> float:
     return 1.0 if cfg.no_scale_embedding else math.sqrt(embed_dim)
 
 
-def _fp8(cfg) -> bool:
-    """``--ls-fp8`` (absent from checkpoints written before it existed: off)."""
-    return bool(getattr(cfg, "ls_fp8", False))
+#: what ``--ls-fp8-layers`` may name: the attention projections (self and cross) and the FFN
+FP8_LAYERS = ("attention", "ffn")
+
+
+def _fp8_layer_names(value: str) -> List[str]:
+    """``--ls-fp8-layers``' names, checked: ValueError on an unknown name or an empty list."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FP8_LAYERS]
+    if unknown or not names:
+        raise ValueError(f"{value!r}: a comma-separated list of {', '.join(FP8_LAYERS)} "
+                         f"(unknown: {', '.join(unknown) or 'none given'})")
+    return names
+
+
+def _fp8_layers_arg(value: str) -> str:
+    """argparse type of ``--ls-fp8-layers``: a bad list is a usage error at parse time."""
+    try:
+        _fp8_layer_names(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def fp8_layers(cfg) -> FrozenSet[str]:
+    """The parts of each layer whose linear layers run in FP8: ``--ls-fp8`` with
+    ``--ls-fp8-layers`` (all of :data:`FP8_LAYERS` when not given; checkpoints written before
+    these options existed have neither: none). A bad list is an error naming the flag."""
+    given = getattr(cfg, "ls_fp8_layers", None)
+    if not getattr(cfg, "ls_fp8", False):
+        if given is not None:
+            raise ValueError(f"--ls-fp8-layers {given!r} needs --ls-fp8")
+        return frozenset()
+    if given is None:
+        return frozenset(FP8_LAYERS)
+    try:
+        return frozenset(_fp8_layer_names(given))
+    except ValueError as e:
+        raise ValueError(f"--ls-fp8-layers {e}") from None
 
 
 class LSTransformerEncoder(FairseqEncoder):
@@ -126,7 +162,7 @@ class LSTransformerEncoder(FairseqEncoder):
                 attention_dropout=cfg.attention_dropout,
                 activation_dropout=_activation_dropout(cfg),
                 activation_fn=cfg.activation_fn, normalize_before=cfg.encoder.normalize_before,
-                fp8=_fp8(cfg),
+                fp8="ffn" in fp8_layers(cfg), fp8_attention="attention" in fp8_layers(cfg),
             )
             for _ in range(cfg.encoder.layers)
         ])
@@ -207,7 +243,8 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 num_heads=cfg.decoder.attention_heads, encoder_embed_dim=cfg.encoder.embed_dim,
                 dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                 activation_dropout=_activation_dropout(cfg), activation_fn=cfg.activation_fn,
-                normalize_before=cfg.decoder.normalize_before, fp8=_fp8(cfg),
+                normalize_before=cfg.decoder.normalize_before, fp8="ffn" in fp8_layers(cfg),
+                fp8_attention="attention" in fp8_layers(cfg),
             )
             for _ in range(cfg.decoder.layers)
         ])
@@ -389,10 +426,16 @@ class LSTransformerModel(TransformerModel):
                  "per-tensor current scaling; torch._scaled_mm on GPUs of compute capability "
                  ">= 8.9). Weights, optimizer and checkpoints are unchanged, and evaluation and "
                  "generation use the normal matmuls (docs/FLAGS.md)")
+        parser.add_argument(
+            "--ls-fp8-layers", default=None, metavar="PARTS", type=_fp8_layers_arg,
+            help="ls_ only, with --ls-fp8: which linear layers of each encoder and decoder layer "
+                 f"run in FP8, a comma-separated list of {', '.join(FP8_LAYERS)} (default: all; "
+                 "'attention' is the self- and cross-attention projections, 'ffn' fc1 and fc2)")
 
     @classmethod
     def build_model(cls, args, task):
         check_supported(_as_config(args))
+        fp8_layers(args)  # a bad --ls-fp8-layers fails before the model is built
         importlib.import_module("..ops._extension", __package__).announce_device(args)
         return super().build_model(args, task)
 

@@ -21,19 +21,24 @@ class TransformerDecoderLayer(nn.Module):
 
     def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, encoder_embed_dim: int,
                  dropout: float, attention_dropout: float, activation_dropout: float,
-                 activation_fn: str, normalize_before: bool, fp8: bool = False):
+                 activation_fn: str, normalize_before: bool, fp8: bool = False,
+                 fp8_attention: Optional[bool] = None):
         super().__init__()
         self.embed_dim = embed_dim
         self.dropout = dropout
-        self.fp8 = fp8  # --ls-fp8: the linear layers' matmuls in FP8 in training
-        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout, fp8=fp8)
+        # --ls-fp8 (--ls-fp8-layers): the FFN's (fp8) and the attention projections'
+        # (fp8_attention, default fp8) matmuls in FP8 in training
+        self.fp8 = fp8
+        fp8_attention = fp8 if fp8_attention is None else fp8_attention
+        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout,
+                                       fp8=fp8_attention)
         self.activation_fn = check_activation(activation_fn)
         self.activation_dropout = activation_dropout
         self.normalize_before = normalize_before
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.encoder_attn = CrossAttention(embed_dim, num_heads, kdim=encoder_embed_dim,
                                            vdim=encoder_embed_dim, dropout=attention_dropout,
-                                           fp8=fp8)
+                                           fp8=fp8_attention)
         self.encoder_attn_layer_norm = LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_embed_dim)
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)

@@ -1,4 +1,6 @@
 """Transformer encoder layer (post-LN as in the paper, or pre-LN as in tensor2tensor)."""
+from typing import Optional
+
 import torch.nn as nn
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
@@ -14,11 +16,16 @@ class TransformerEncoderLayer(nn.Module):
 
     def __init__(self, embed_dim: int, ffn_embed_dim: int, num_heads: int, dropout: float,
                  attention_dropout: float, activation_dropout: float, activation_fn: str,
-                 normalize_before: bool, fp8: bool = False):
+                 normalize_before: bool, fp8: bool = False,
+                 fp8_attention: Optional[bool] = None):
         super().__init__()
         self.embed_dim = embed_dim
-        self.fp8 = fp8  # --ls-fp8: the linear layers' matmuls in FP8 in training
-        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout, fp8=fp8)
+        # --ls-fp8 (--ls-fp8-layers): the FFN's (fp8) and the attention projections'
+        # (fp8_attention, default fp8) matmuls in FP8 in training
+        self.fp8 = fp8
+        fp8_attention = fp8 if fp8_attention is None else fp8_attention
+        self.self_attn = SelfAttention(embed_dim, num_heads, dropout=attention_dropout,
+                                       fp8=fp8_attention)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.dropout = dropout
         self.activation_fn = check_activation(activation_fn)
