@@ -36,11 +36,13 @@ import shlex
 import sys
 import time
 from collections import Counter
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import commit  # noqa: E402  (LS_BENCH_COMMIT, else git)
 from timing import cuda_event_ms  # noqa: E402
 
 from ls_fairseq.modules import sublayers  # noqa: E402
@@ -76,20 +78,12 @@ def linear_calls(arch, extra=()):
         calls[sides[rows], weight.size(1), weight.size(0), bias is not None] += 1
         return F.linear(x, weight, bias)
 
-    original, mode = sublayers.fp8_linear, os.environ.get(_extension.ENV_VAR)
-    sublayers.fp8_linear = record  # linear_of reads the module's global at each call
-    # the recording forward runs on the CPU: the reference ops, even where the timed runs
-    # require the kernels (under LS_FAIRSEQ_KERNELS=require a CPU tensor is an error)
-    os.environ[_extension.ENV_VAR] = "off"
-    try:
-        with torch.no_grad():
-            model(**sample["net_input"])
-    finally:
-        sublayers.fp8_linear = original
-        if mode is None:
-            del os.environ[_extension.ENV_VAR]
-        else:
-            os.environ[_extension.ENV_VAR] = mode
+    # linear_of reads the module's global at each call. The recording forward runs on the CPU:
+    # the reference ops, even where the timed runs require the kernels (under
+    # LS_FAIRSEQ_KERNELS=require a CPU tensor is an error)
+    with mock.patch.object(sublayers, "fp8_linear", record), \
+            mock.patch.dict(os.environ, {_extension.ENV_VAR: "off"}), torch.no_grad():
+        model(**sample["net_input"])
     if not calls:
         raise RuntimeError(f"{arch} with --ls-fp8 made no fp8_linear call in training")
     return calls
@@ -172,12 +166,6 @@ def time_shape(rows, k, n, bias, dtype, device, iters, graphs=True):
 
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def commit():
-    import e2e  # bench/e2e.py: LS_BENCH_COMMIT, else git
-
-    return e2e.commit()
 
 
 def main(argv=None):

@@ -155,6 +155,7 @@ class LSTransformerEncoder(FairseqEncoder):
             embed_dim, self.padding_idx, _embed_scale(cfg, embed_dim), cfg.dropout, zero_pad=True,
             max_positions=cfg.max_source_positions, side="source",
         )
+        fp8 = fp8_layers(cfg)
         self.layers = nn.ModuleList([
             TransformerEncoderLayer(
                 embed_dim=cfg.encoder.embed_dim, ffn_embed_dim=cfg.encoder.ffn_embed_dim,
@@ -162,7 +163,7 @@ class LSTransformerEncoder(FairseqEncoder):
                 attention_dropout=cfg.attention_dropout,
                 activation_dropout=_activation_dropout(cfg),
                 activation_fn=cfg.activation_fn, normalize_before=cfg.encoder.normalize_before,
-                fp8="ffn" in fp8_layers(cfg), fp8_attention="attention" in fp8_layers(cfg),
+                fp8="ffn" in fp8, fp8_attention="attention" in fp8,
             )
             for _ in range(cfg.encoder.layers)
         ])
@@ -237,14 +238,15 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             embed_dim, self.padding_idx, _embed_scale(cfg, embed_dim), cfg.dropout,
             zero_pad=False, max_positions=cfg.max_target_positions, side="target",
         )
+        fp8 = fp8_layers(cfg)
         self.layers = nn.ModuleList([
             TransformerDecoderLayer(
                 embed_dim=embed_dim, ffn_embed_dim=cfg.decoder.ffn_embed_dim,
                 num_heads=cfg.decoder.attention_heads, encoder_embed_dim=cfg.encoder.embed_dim,
                 dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                 activation_dropout=_activation_dropout(cfg), activation_fn=cfg.activation_fn,
-                normalize_before=cfg.decoder.normalize_before, fp8="ffn" in fp8_layers(cfg),
-                fp8_attention="attention" in fp8_layers(cfg),
+                normalize_before=cfg.decoder.normalize_before, fp8="ffn" in fp8,
+                fp8_attention="attention" in fp8,
             )
             for _ in range(cfg.decoder.layers)
         ])
