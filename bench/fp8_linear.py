@@ -207,7 +207,8 @@ def main(argv=None):
             row = time_shape(tokens, k, n, bias, dtype, device, a.iters, not a.no_graphs)
             row.update(tokens=tokens, calls=per_shape[k, n, bias])
             rows.append(row)
-            for key in ("linear_16bit", "linear_fp8", "gemms_fp8", "gemms_16bit", *PARTS, "rest"):
+            # PARTS holds gemms_fp8: each key once
+            for key in ("linear_16bit", "linear_fp8", "gemms_16bit", *PARTS, "rest"):
                 total[key] += row["calls"] * row[key]
             print(f"| {tokens} | {k} x {n} | {'yes' if bias else 'no'} | {row['calls']} | "
                   f"{row['path']} | {row['linear_16bit']:.3f} | {row['linear_fp8']:.3f} | "

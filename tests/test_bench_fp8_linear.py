@@ -56,7 +56,8 @@ def test_rows_and_step_totals(tmp_path):
     for step in steps:
         mine = [r for r in rows if r["tokens"] == step["tokens"]]
         assert sum(r["calls"] for r in mine) == sum(calls.values())
-        assert step["linear_fp8"] == pytest.approx(sum(r["calls"] * r["linear_fp8"] for r in mine))
+        for key in ("linear_16bit", "linear_fp8", "gemms_16bit", *fp8_linear.PARTS, "rest"):
+            assert step[key] == pytest.approx(sum(r["calls"] * r[key] for r in mine)), key
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["device"] == "cpu"
     assert sum(c["calls"] for c in data["calls"]) == sum(calls.values())
