@@ -9,7 +9,9 @@ and as mean ± s.d.: sacreBLEU, length ratio, the share of hypotheses with a rep
 ("loops"), and the final validation loss. Each variant's mean is compared with the baseline's:
 the acceptance rule is |Δ BLEU| ≤ 0.5 and |Δ length ratio| ≤ 0.03. Beside it, not part of it:
 the medians' Δ BLEU and the runs more than 1.5 BLEU below their variant's median ("low"), since
-one bad run moves a mean of a few seeds past the band in either direction.
+one bad run moves a mean of a few seeds past the band in either direction. Last, the training
+loss curves against the baseline's: the seed means' difference at each logged update from 300
+on, its mean and s.d. ``--tables-from JSON`` prints the tables of a saved ``--json`` again.
 
 Variants (fairseq's recipe otherwise: shared embeddings, adam (0.9, 0.98), inverse_sqrt,
 label smoothing 0.1, weight decay 1e-4, --fp16; by default a 3+3-layer, 256-wide Transformer,
@@ -29,6 +31,7 @@ ls_bf16            ``ls`` with --bf16 instead of --fp16
 ls_eager           ``ls`` + --ls-no-fused-fp16-copy --ls-no-cuda-graphs --ls-no-deferred-overflow-check
 ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
 ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL's all-reduce)
+ls_fp8             ``ls`` + --ls-fp8 (FP8 linear layers; ls_fp8_ffn / ls_fp8_attention: one part)
 =================  ==================  =================================  ==========
 
 Corpus: ``--corpus synthetic`` (default) generates ``bench/learnable_corpus.py``'s deterministic
@@ -362,6 +365,37 @@ def summarize(rows, variants):
     return out
 
 
+#: the loss-curve comparison starts here: before it the curves fall by whole nats per interval
+CURVE_FROM_UPDATE = 300
+
+
+def curve_gaps(rows, variants, start=CURVE_FROM_UPDATE):
+    """Training-loss curves against the baseline's: at every logged update >= ``start`` that
+    every finished run of both has, the variant's mean over its seeds minus the baseline's;
+    per variant the mean and s.d. of those differences over the updates, their count and the
+    last update (as bench/e2e.py's "loss − baseline" over intervals)."""
+    def curves(v):
+        return [dict(r["train_curve"]) for r in rows
+                if r["variant"] == v and "bleu" in r and r.get("train_curve")]
+
+    base = curves("baseline")
+    out = {}
+    for v in variants:
+        mine = curves(v)
+        if v == "baseline" or not base or not mine:
+            continue
+        updates = sorted(u for u in set.intersection(*(set(c) for c in base + mine))
+                         if u >= start)
+        if not updates:
+            continue
+        gaps = [sum(c[u] for c in mine) / len(mine) - sum(c[u] for c in base) / len(base)
+                for u in updates]
+        mean, sd = mean_sd(gaps)
+        out[v] = dict(mean=mean, sd=sd, intervals=len(updates), first=updates[0],
+                      last=updates[-1], runs=len(mine), baseline_runs=len(base))
+    return out
+
+
 def fmt(m, sd, digits):
     return "–" if m is None else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
@@ -391,6 +425,15 @@ def tables(rows, summary):
         lines.append(f"| {r['variant']} | {r['seed']} | {r['bleu']:.2f} | "
                      f"{r['length_ratio']:.3f} | {r['loops']:.3f} | {r['valid_loss']} | "
                      f"{r['updates']} | {r['overflows']} | {r['train_s']} |")
+    gaps = curve_gaps(rows, list(summary))
+    if gaps:
+        lines += ["", f"Training loss − baseline's, mean over the seeds at each logged update "
+                  f"from {CURVE_FROM_UPDATE} on:", "",
+                  "| variant | updates | intervals | loss − baseline, mean | s.d. |",
+                  "|---|---|---:|---:|---:|"]
+        for v, g in gaps.items():
+            lines.append(f"| {v} | {g['first']}–{g['last']} | {g['intervals']} | "
+                         f"{g['mean']:+.4f} | {g['sd']:.4f} |")
     return "\n".join(lines)
 
 
@@ -476,7 +519,16 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows and summary here")
     p.add_argument("--markdown", help="write the tables here")
     p.add_argument("--commit", default=os.environ.get("LS_BENCH_COMMIT", "unknown"))
+    p.add_argument("--tables-from", metavar="JSON",
+                   help="print the tables of a --json file written earlier (its rows and "
+                        "variants), without training")
     a = p.parse_args(argv)
+    if a.tables_from:
+        with open(a.tables_from) as f:
+            saved = json.load(f)
+        summary = summarize(saved["rows"], list(saved["summary"]))
+        print(tables(saved["rows"], summary))
+        return summary
 
     a.cuda = cuda_available()
     if a.gpus < 1:

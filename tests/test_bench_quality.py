@@ -316,6 +316,34 @@ def test_medians_and_low_runs_are_reported_beside_the_verdict():
     assert "| **FAIL** | 99.20 (+0.00) | 1 |" in quality.tables(rows, s)
 
 
+def test_loss_curves_against_the_baseline(tmp_path, capsys):
+    """The curve table: per logged update >= 300 held by every run, the variant's seed mean
+    minus the baseline's; updates some run lacks and failed runs are left out. Closed-form
+    curves: ls sits 0.1 above at 300 and 0.3 above at 400, so mean +0.2, s.d. 0.1414."""
+    def run(variant, seed, curve, **extra):
+        return dict(variant=variant, seed=seed, bleu=90.0, length_ratio=1.0, loops=0.0,
+                    valid_loss=2.0, updates=500, overflows=0, train_s=1.0, train_curve=curve,
+                    **extra)
+
+    rows = [run("baseline", 1, [[100, 9.0], [300, 3.0], [400, 2.0], [500, 1.0]]),
+            run("baseline", 2, [[100, 8.0], [300, 3.2], [400, 2.2]]),  # no 500: left out
+            run("ls", 1, [[100, 7.0], [300, 3.2], [400, 2.4], [500, 1.0]]),
+            run("ls", 2, [[300, 3.2], [400, 2.4], [500, 1.5]]),
+            dict(variant="ls", seed=3, error="fairseq-train exit 1")]
+    gaps = quality.curve_gaps(rows, ["baseline", "ls"])
+    assert list(gaps) == ["ls"]
+    g = gaps["ls"]
+    assert (g["first"], g["last"], g["intervals"], g["runs"]) == (300, 400, 2, 2)
+    assert g["mean"] == pytest.approx(0.2) and g["sd"] == pytest.approx(0.1414, abs=1e-4)
+    table = quality.tables(rows, quality.summarize(rows, ["baseline", "ls"]))
+    assert "| ls | 300–400 | 2 | +0.2000 | 0.1414 |" in table
+    # --tables-from prints the same tables from a saved --json file, without training
+    saved = tmp_path / "q.json"
+    saved.write_text(json.dumps(dict(rows=rows, summary={"baseline": {}, "ls": {}})))
+    quality.main(["--tables-from", str(saved)])
+    assert capsys.readouterr().out.strip() == table
+
+
 @pytest.mark.slow
 def test_pipeline_end_to_end_on_cpu(tmp_path):
     """fairseq-preprocess, -train and -generate for a fairseq and an ls_ variant (tiny model, a

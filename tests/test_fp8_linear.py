@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from dispatch_trace import fills_in_backward
 from fairseq_helpers import build_model, make_dictionary, model_args, random_sample
 from ls_fairseq.ops import _extension
 from ls_fairseq.ops import fp8_linear as fp8
@@ -148,6 +149,18 @@ def test_only_the_needed_gradients_are_computed():
     out = fp8.fp8_linear(x, w, b)
     (gw,) = torch.autograd.grad(out.sum(), [w])
     assert gw.shape == w.shape and x.grad is None
+
+
+def test_backward_makes_no_zero_gradients_for_the_copies():
+    """The float8 copies and scales are outputs without gradients: the backward gets None for
+    them, not zero tensors that autograd fills on every call (``set_materialize_grads``): no
+    aten op of the backward may create zeros or fill. Fails if they are materialized again."""
+    x, w, b = _operands((3, 5, 16), 32, torch.float32)
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    out = fp8.fp8_linear(x, w, b)
+    # (the transposes' zero padding, ``zero_`` on a few uint8 columns, is no fill of a gradient)
+    assert fills_in_backward(out, torch.randn(out.shape)) == []
+    assert x.grad is not None and w.grad is not None and b.grad is not None
 
 
 def test_zero_operands_give_finite_results():

@@ -10,6 +10,7 @@ stand-ins in tests/cross_entropy_autograd_check.py.
 """
 import pytest
 import torch
+from dispatch_trace import fills_in_backward
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
 from ls_fairseq.ops import fused_output_cross_entropy as fused_module
@@ -119,6 +120,16 @@ def test_only_hidden_requires_grad():
     _reference(h1, weight, target, 0.1, 1)[0].backward()
     fused_output_cross_entropy(h2, weight, target, 0.1, 1, chunk_size=5)[0].backward()
     torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-9, atol=1e-10)
+
+
+def test_backward_makes_no_zero_gradients():
+    """nll, n_correct and the saved gradients are outputs without gradients: the backward gets
+    None for them, not zero tensors of the hidden's and the weight's shapes (float32)."""
+    hidden, weight, target = _inputs(37, 16, 53, torch.float32, 1, 0.2, seed=5)
+    hidden.requires_grad_(), weight.requires_grad_()
+    loss = fused_output_cross_entropy(hidden, weight, target, 0.1, 1, chunk_size=8)[0]
+    assert fills_in_backward(loss, torch.ones(())) == []
+    assert hidden.grad is not None and weight.grad is not None
 
 
 def test_bfloat16_close_to_fp32_reference():

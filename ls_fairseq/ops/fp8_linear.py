@@ -192,12 +192,17 @@ def _setup_context(ctx, inputs, output):
     _, weight, bias, scaled_mm = inputs
     ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
+    # the copies get no gradient: None, not zero tensors (autograd would fill one of every
+    # float8 copy and scale per call, 0.5 ms per step of transformer big at 8192 tokens)
+    ctx.set_materialize_grads(False)
     ctx.scaled_mm = scaled_mm
     ctx.weight_dtype = weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, grad_out, *_saved_outputs_grads):
+    if grad_out is None:  # not materialized: the output took no part in the loss
+        return None, None, None, None
     x8, x_inv, w8, w_inv = ctx.saved_tensors
     scaled_mm = ctx.scaled_mm
     matmul = _matmul(scaled_mm)

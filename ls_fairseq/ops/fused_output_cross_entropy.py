@@ -203,6 +203,8 @@ def _fused_setup_context(ctx, inputs, output):
     _loss, nll, n_correct, grad_h, grad_w = output
     ctx.save_for_backward(grad_h if grad_hidden else None, grad_w if grad_weight else None)
     ctx.mark_non_differentiable(nll, n_correct, grad_h, grad_w)
+    # None for them in the backward, not zero tensors (grad_w's would be vocab x dim float32)
+    ctx.set_materialize_grads(False)
     ctx.scale = _grad_scale(hidden.dtype)
     ctx.h_dtype, ctx.w_dtype = hidden.dtype, weight.dtype
 
