@@ -21,6 +21,11 @@ The cost model, GPU-bound as ls_'s step is (docs/PERFORMANCE.md, "Known limits")
   forward, host work; the default is fitted to the measured multi-GPU epochs, see its help);
 * an update on N > 1 GPUs waits for its slowest rank, plus ``--reduce-ms`` of all-reduce not
   hidden under the backward.
+* ``--optimizer-ms``: the optimizer step's time per update, the same for every shape (Adam: 2.06
+  ms for transformer big on an H100); the token-slot rate covers the rest. With
+  ``--sharded-optimizer GATHER_MS`` (not built) each of N ranks runs 1/N of it, on the shard of
+  the gradients it sums, and the update waits ``GATHER_MS`` more for the parameters it did not
+  update (the copies after the step, not hidden).
 
 ``--shape-policy`` tries designs that are not built (``POLICIES``): the ranks of an update pad
 by different amounts, as each pads to an earlier shape of its own within the slack.
@@ -109,10 +114,13 @@ def padded_shapes(gpus, batches, policy):
     return shapes
 
 
-def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, policy="own"):
+def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, policy="own",
+             optimizer_s=0.0, gather_s=None):
     """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
     share of updates whose ranks ran one shape, the most shapes a rank holds graphs for. One GPU
-    (``ranks`` 1, always ``own``) is the reference; ``policy``: :data:`POLICIES`."""
+    (``ranks`` 1, always ``own``) is the reference; ``policy``: :data:`POLICIES`. Every update
+    costs ``optimizer_s`` more; with ``gather_s`` (a sharded optimizer step, N > 1) each rank
+    runs ``optimizer_s / N`` and waits ``gather_s`` for the others' parameters."""
     if ranks == 1:
         policy = "own"
     common = ShapeBuckets(BUCKETS, SLACK) if policy == "shared" else None
@@ -131,7 +139,12 @@ def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, pol
                 before = len(gpu.captured)
                 costs.append(gpu.step(shape, rate_s, capture_s))
                 captures += len(gpu.captured) - before
-            seconds += max(costs) + (reduce_s if ranks > 1 else 0.0)
+            if ranks == 1:
+                seconds += max(costs) + optimizer_s
+            elif gather_s is None:
+                seconds += max(costs) + reduce_s + optimizer_s
+            else:
+                seconds += max(costs) + reduce_s + optimizer_s / ranks + gather_s
             straggle += max(costs) - sum(costs) / len(costs)
             same_shape += len(set(shapes)) == 1
         updates = len(shards[0])
@@ -158,6 +171,13 @@ def main(argv=None):
                          "on 2x H100 (docs/PERFORMANCE.md, Several GPUs)")
     ap.add_argument("--reduce-ms", type=float, default=1.5,
                     help="all-reduce time per update not hidden under the backward")
+    ap.add_argument("--optimizer-ms", type=float, default=0.0,
+                    help="the optimizer step per update, whatever the shape (2.06: ls_adam on "
+                         "transformer big, H100, docs/PERFORMANCE.md); 0 folds it into the "
+                         "token-slot rate")
+    ap.add_argument("--sharded-optimizer", type=float, metavar="GATHER_MS",
+                    help="(not built) on N GPUs each rank steps 1/N of the parameters and then "
+                         "waits GATHER_MS for the rest (the parameter copies not hidden)")
     ap.add_argument("--shape-policy", choices=sorted(POLICIES), default="own",
                     help="how the ranks of an update choose their padded shapes on N GPUs: "
                          + "; ".join(f"{k}: {v}" for k, v in POLICIES.items())
@@ -171,20 +191,29 @@ def main(argv=None):
     tgt_tokens = [int(tgt[b].sum()) for b in out]
     # the rate of a token slot: one GPU replaying every shape runs --wps target tokens/s
     slots = sum(token_slots(ShapeBuckets(BUCKETS, SLACK).shape_for(r)) for r in raw)
-    rate_s = sum(tgt_tokens) / a.wps / slots
+    optimizer_s = a.optimizer_ms / 1000
+    replay_s = sum(tgt_tokens) / a.wps - len(raw) * optimizer_s
+    if replay_s <= 0:
+        ap.error(f"--optimizer-ms {a.optimizer_ms:g}: longer than a whole step at --wps "
+                 f"{a.wps:g}")
+    rate_s = replay_s / slots
     capture_s, reduce_s = a.capture_ms / 1000, a.reduce_ms / 1000
-    one = simulate(raw, 1, a.epochs, a.seed, False, rate_s, capture_s, reduce_s)
+    gather_s = None if a.sharded_optimizer is None else a.sharded_optimizer / 1000
+    one = simulate(raw, 1, a.epochs, a.seed, False, rate_s, capture_s, reduce_s,
+                   optimizer_s=optimizer_s)
     rows = []
     print(f"{a.sentences:,} pairs, --max-tokens {a.max_tokens}: {len(raw):,} batches; one GPU "
           f"{a.wps:,.0f} wps replaying; capture {a.capture_ms:g} ms, all-reduce "
-          f"{a.reduce_ms:g} ms; shape policy {a.shape_policy}\n")
+          f"{a.reduce_ms:g} ms; shape policy {a.shape_policy}; optimizer {a.optimizer_ms:g} ms"
+          + ("" if gather_s is None else
+             f", sharded (parameter copies {a.sharded_optimizer:g} ms)") + "\n")
     print("| GPUs | shuffling | epoch | updates | scaling | straggler share | captures | "
           "updates of one shape | shapes per rank |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for n in a.gpus:
         for grouped in (False, True):
             sim = simulate(raw, n, a.epochs, a.seed, grouped, rate_s, capture_s, reduce_s,
-                           a.shape_policy)
+                           a.shape_policy, optimizer_s, gather_s)
             for ref, e in zip(one, sim):
                 row = dict(gpus=n, grouped_shuffling=grouped, **e,
                            scaling=ref["seconds"] / e["seconds"],
