@@ -139,12 +139,9 @@ def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, pol
                 before = len(gpu.captured)
                 costs.append(gpu.step(shape, rate_s, capture_s))
                 captures += len(gpu.captured) - before
-            if ranks == 1:
-                seconds += max(costs) + optimizer_s
-            elif gather_s is None:
-                seconds += max(costs) + reduce_s + optimizer_s
-            else:
-                seconds += max(costs) + reduce_s + optimizer_s / ranks + gather_s
+            sharded = ranks > 1 and gather_s is not None
+            seconds += max(costs) + (reduce_s if ranks > 1 else 0.0) + (
+                optimizer_s / ranks + gather_s if sharded else optimizer_s)
             straggle += max(costs) - sum(costs) / len(costs)
             same_shape += len(set(shapes)) == 1
         updates = len(shards[0])
