@@ -141,6 +141,9 @@ for _mb in (12, 50, 100):
 # several GPUs: the copy-engine all-reduce with its barriers as one kernel over flags in peer
 # memory (LS_FAIRSEQ_PEER_BARRIER=flags) instead of NCCL's one-element all-reduces
 VARIANTS["ls_flag_barrier"] = dict(_LS, single_gpu_as="ls", env={"LS_FAIRSEQ_PEER_BARRIER": "flags"})
+# several GPUs: each GPU steps Adam on the gradient shards it sums by default
+# (graphs/sharded_step.py); ls_whole_step runs the whole step on every GPU (same run on one GPU)
+VARIANTS["ls_whole_step"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-sharded-optimizer-step"])
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",
                                             flags=["--grouped-shuffling"])

@@ -256,6 +256,15 @@ FLAG_CASES = [
      "--ls-copy-engine-all-reduce: it is part of the CUDA-graph engine; drop --ls-no-cuda-graphs"),
     (["--ls-deferred-overflow-check", "--ls-no-fused-fp16-copy"],
      "--ls-deferred-overflow-check needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
+    (["--ls-sharded-optimizer-step", "--ls-no-sharded-optimizer-step"],
+     "--ls-sharded-optimizer-step and --ls-no-sharded-optimizer-step contradict each other: "
+     "pass one of them"),
+    (["--ls-sharded-optimizer-step", "--ls-no-fused-fp16-copy"],
+     "--ls-sharded-optimizer-step needs the fused fp16 copy: drop --ls-no-fused-fp16-copy"),
+    (["--ls-sharded-optimizer-step", "--fp16-adam-stats"],
+     "--ls-sharded-optimizer-step does not support --fp16-adam-stats (its moment scales are per "
+     "tensor, not per shard)"),
+    # (where it cannot apply at run time: tests/test_sharded_step.py)
     # (its need for --ls-fp8 is checked when the model is built: tests/test_fp8_linear.py)
     (["--ls-fp8", "--ls-fp8-layers", "ffn,mlp"],
      "usage: argument --ls-fp8-layers: 'ffn,mlp': a comma-separated list of attention, ffn "
@@ -267,7 +276,8 @@ FLAG_CASES = [
 #: --ls-* switches that take no value (their contradicting pairs are cases above)
 SWITCHES = {"--ls-fused-output-ce", "--ls-async-stats", "--ls-cuda-graphs", "--ls-no-cuda-graphs",
             "--ls-fused-fp16-copy", "--ls-no-fused-fp16-copy", "--ls-deferred-overflow-check",
-            "--ls-no-deferred-overflow-check", "--ls-fp8"}
+            "--ls-no-deferred-overflow-check", "--ls-fp8", "--ls-sharded-optimizer-step",
+            "--ls-no-sharded-optimizer-step"}
 
 
 def _case_id(case):

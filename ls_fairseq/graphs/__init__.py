@@ -12,6 +12,7 @@ Map:
 * ``flat_gradients``: the accumulators (``FlatGradients``) and ``flat_gradients_of(model)``;
 * ``grad_buckets`` / ``flat_all_reduce``: the all-reduce during the backward / after it;
 * ``peer_all_reduce``: a bucket's all-reduce by copy engines (GPUs of one host), instead of NCCL;
+* ``sharded_step``: the optimizer step on the shards a rank sums (ls_adam drives it);
 * ``memory`` / ``shape_buckets``: the graphs' memory pool; batches padded to bucketed shapes.
 
 Imports: this package uses ``ls_fairseq.switches``, ``ls_fairseq.wrappers`` and, for the

@@ -51,7 +51,11 @@ class FlatGradients:
     * ``spans``: per parameter, ``(index in flats, offset, numel)`` of its accumulator;
     * ``all_reduced``: True once this update's all-reduce of every buffer has been issued during
       the backward (the engine sets it, ``flat_all_reduce.all_reduce_flat`` and the start of the
-      next update take it off).
+      next update take it off);
+    * ``peer_reduce``: the engine's copy-engine all-reduce (``peer_all_reduce.PeerAllReduce``)
+      once it has decided on it, else None; ``scattered``: this update's all-reduce left each
+      rank only its own summed shards (``scatter_only``: the sharded optimizer step follows,
+      ``sharded_step.py``; the optimizer takes the mark off).
     """
 
     def __init__(self, params):
@@ -73,6 +77,8 @@ class FlatGradients:
         self.views = [views[id(p)] for p in self.params]
         self.spans = [spans[id(p)] for p in self.params]
         self.all_reduced = False
+        self.peer_reduce = None
+        self.scattered = False
 
     def holds(self, buffer) -> bool:
         """Whether ``buffer`` is one of the flat buffers."""

@@ -18,10 +18,12 @@ rank ``k``. For bucket ``b``, on every rank ``r``, in stream order:
    have landed;
 3. **reduce**: shard ``r`` becomes (own + the ``world - 1`` staged copies, in rank order) /
    world, accumulated in float32 and rounded once (``ops.shard_reduce``);
-4. **push the result**: shard ``r`` goes into every other rank's flat buffer, in place.
+4. **push the result**: shard ``r`` goes into every other rank's flat buffer, in place (not
+   with ``scatter_only``: the sharded optimizer step, ``sharded_step.py``, sends the updated
+   weights of the shard instead, after Adam).
 
 After the last bucket one more barrier says every result has landed; the step's current stream
-waits for it. Each shard is reduced by one rank only, so every rank ends with the same bits.
+waits for it (not with ``scatter_only``: nothing lands). Each shard is reduced by one rank only, so every rank ends with the same bits.
 Staging holds, on rank ``r``, ``world - 1`` copies of its shards: (world - 1) / world of the
 gradients' size (210 MB for transformer big's fp16 gradients on 2 GPUs).
 
@@ -98,14 +100,17 @@ class PeerAllReduce:
     ``plan.staging_numel``); ``peer_flats[q]`` / ``peer_staging[q]``: rank ``q``'s buffers as this
     process reaches them (peer memory on the GPU; the tensors themselves in the tests, which drive
     several ranks in one process phase by phase). ``barrier()``: returns a work handle the current
-    stream can wait on, or None.
+    stream can wait on, or None. ``group``: the ranks' process group.
     """
 
-    def __init__(self, plan, rank, flats, staging, peer_flats, peer_staging, barrier=None):
-        self.plan, self.rank = plan, rank
+    def __init__(self, plan, rank, flats, staging, peer_flats, peer_staging, barrier=None,
+                 group=None):
+        self.plan, self.rank, self.group = plan, rank, group
         self.flats, self.staging = flats, staging
         self.peer_flats, self.peer_staging = peer_flats, peer_staging
         self.barrier = barrier
+        # phases 1-3 only: each rank keeps its own summed shards (sharded_step.py sets it)
+        self.scatter_only = False
         # GradBuckets.issue hands over each bucket as the view flats[f][lo:hi]: found by address
         self._bucket_of = {(flats[f][lo:hi].data_ptr(), hi - lo): b
                            for b, (f, lo, hi) in enumerate(plan.buckets)}
@@ -153,12 +158,14 @@ class PeerAllReduce:
         self.push(b)
         self._wait(self.barrier())
         self.reduce(b)
-        self.push_result(b)
+        if not self.scatter_only:
+            self.push_result(b)
         return None
 
     def finish(self):
-        """After the last bucket: the barrier whose completion means every result has landed."""
-        return self.barrier()
+        """After the last bucket: the barrier whose completion means every result has landed
+        (none with ``scatter_only``)."""
+        return None if self.scatter_only else self.barrier()
 
     @staticmethod
     def _wait(work):
@@ -322,7 +329,8 @@ def create(flats, buckets, group):
         def barrier():
             return dist.all_reduce(flag, group=group, async_op=True)
 
-    return PeerAllReduce(plan, rank, list(flats), staging, peers[0], peers[1], barrier), ""
+    return PeerAllReduce(plan, rank, list(flats), staging, peers[0], peers[1], barrier,
+                         group), ""
 
 
 class FlagBarrier:

@@ -397,6 +397,7 @@ class CudaGraphedLoss:
         ready = pending.ready or [None] * len(buckets.buckets)
         buckets.issue(self._flats, ready, reduce)
         self.flat_gradients.all_reduced = True
+        self.flat_gradients.scattered = getattr(reduce, "scatter_only", False)
         if not self.stats["overlapped_all_reduce"]:
             logger.info(f"--ls-cuda-graphs: all-reducing gradients in {len(buckets.buckets)} "
                         f"buckets (--ls-all-reduce-bucket-mb {self.bucket_mb:g}) as the backward "
@@ -420,6 +421,7 @@ class CudaGraphedLoss:
                                 f"kernel per bucket shard; --ls-no-copy-engine-all-reduce for "
                                 f"NCCL's all-reduce")
                     self._peer = peer
+                    self.flat_gradients.peer_reduce = peer  # for ls_adam's sharded step
         return self._peer or None
 
     def _all_reduce_each(self, ddp):

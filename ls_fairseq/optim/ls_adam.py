@@ -8,6 +8,7 @@ math whatever the storage dtype: fp32 master under ``--fp16``, fp16/bf16 weights
 ``--memory-efficient-fp16``.
 """
 import logging
+import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List
@@ -18,7 +19,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from .. import ops, switches
-from ..graphs import flat_all_reduce
+from ..graphs import flat_all_reduce, flat_gradients_of, sharded_step
 from . import deferred_overflow
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,18 @@ class LSAdamConfig(FairseqDataclass):
         default=False, metadata={"help": "turn the deferred overflow check off (every update "
                                  "reads its grad norm back, as fairseq does)"},
     )
+    ls_sharded_optimizer_step: bool = field(
+        default=False,
+        metadata={"help": "require the sharded optimizer step (on by default where it applies: "
+                  "several GPUs of one host with the copy-engine all-reduce, the fused fp16 copy "
+                  "and a flat fp32 master): each GPU runs Adam on the gradient shards it sums "
+                  "and sends the updated fp16 weights to the others; with this flag a run where "
+                  "it cannot apply is refused (ls_fairseq/graphs/sharded_step.py)"},
+    )
+    ls_no_sharded_optimizer_step: bool = field(
+        default=False, metadata={"help": "turn the sharded optimizer step off (every GPU gets "
+                                 "the summed gradients and runs Adam on the whole model)"},
+    )
     lr: List[float] = II("optimization.lr")
 
 
@@ -76,6 +89,15 @@ class FairseqLSAdam(FairseqOptimizer):
         if deferred == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
             raise ValueError("--ls-deferred-overflow-check needs the fused fp16 copy: drop "
                              "--ls-no-fused-fp16-copy")
+        sharded = switches.resolve(getattr(cfg, "ls_sharded_optimizer_step", False),
+                                   getattr(cfg, "ls_no_sharded_optimizer_step", False),
+                                   sharded_step.FLAG)
+        if sharded == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
+            raise ValueError(f"{sharded_step.FLAG} needs the fused fp16 copy: drop "
+                             f"--ls-no-fused-fp16-copy")
+        if sharded == switches.ON and cfg.fp16_adam_stats:
+            raise ValueError(f"{sharded_step.FLAG} does not support --fp16-adam-stats (its moment "
+                             f"scales are per tensor, not per shard)")
         self._optimizer = LSAdam(params, fp16_stats=cfg.fp16_adam_stats, **self.optimizer_config)
         self._logged_flat_all_reduce = False
 
@@ -118,6 +140,15 @@ class LSAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False)
         super().__init__(params, defaults)
         self.fp16_stats = fp16_stats
+        # set by LSFusedFP16Optimizer under the sharded step: makes the state whole on every rank
+        self.consolidate = None
+
+    def consolidate_state_dict(self):
+        """Called by fairseq's trainer on every rank before a checkpoint is saved
+        (``Trainer.consolidate_optimizer``): under the sharded optimizer step the ranks sum
+        their shards of the fp32 master and moments, so ``state_dict`` is the whole state."""
+        if self.consolidate is not None:
+            self.consolidate()
 
     @property
     def supports_memory_efficient_fp16(self):
@@ -232,16 +263,20 @@ class LSAdam(torch.optim.Optimizer):
         return views
 
     @torch.no_grad()
-    def step_fp16_master(self, fp16_params, fp32_params, grad_scale=1.0):
+    def step_fp16_master(self, fp16_params, fp32_params, grad_scale=1.0, shard=None):
         """One Adam step that reads the fp16 model grads (``p.grad``, times ``grad_scale``),
         updates the fp32 master (fairseq's flat tensor, or one fp32 tensor per param) and its
         moments, and writes the new fp16/bf16 weights into the model, in one kernel launch (two
         with --fp16-adam-stats). State layout is exactly that of ``step`` on the fp32 master, so
-        checkpoints are those of fairseq's FP16Optimizer + adam. Returns the states whose step
-        count it advanced. Without the CUDA kernels: the same math in PyTorch (no
+        checkpoints are those of fairseq's FP16Optimizer + adam. ``shard``
+        (``graphs.sharded_step.ShardedStep``, flat master only): only this rank's shards are
+        stepped. Returns the states whose step count it advanced. Without the CUDA kernels: the same math in PyTorch (no
         --fp16-adam-stats with a flat master there)."""
         if len(self.param_groups) != 1:
             raise RuntimeError("ls_adam --ls-fused-fp16-copy supports one param group")
+        if shard is not None and (self.fp16_stats or not torch.is_tensor(fp32_params)):
+            raise RuntimeError("ls_adam: the sharded step needs a flat fp32 master and no "
+                               "--fp16-adam-stats")
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -258,7 +293,11 @@ class LSAdam(torch.optim.Optimizer):
         if torch.is_tensor(fp32_params):  # flat master: one state, one step count, one scale
             state = self._state_for(fp32_params)
             state["step"] += 1
-            masters, ms, vs, copies = self._master_views(fp16_params, fp32_params, state)
+            if shard is not None:
+                masters, grads, ms, vs, copies = shard.adam_views(
+                    fp16_params, fp32_params, state["exp_avg"], state["exp_avg_sq"])
+            else:
+                masters, ms, vs, copies = self._master_views(fp16_params, fp32_params, state)
             scales = None
             if self.fp16_stats:
                 scales = self._scales_tensor([state], fp32_params.device).expand(
@@ -374,12 +413,89 @@ class LSFusedFP16Optimizer(FP16Optimizer):
                 p32.grad = None
         self._deferred = _defers_overflow_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
+        opt_cfg = getattr(cfg, "optimizer", None)
+        self._shard_mode = switches.resolve(
+            getattr(opt_cfg, "ls_sharded_optimizer_step", False),
+            getattr(opt_cfg, "ls_no_sharded_optimizer_step", False), sharded_step.FLAG)
+        # the sharded step (graphs/sharded_step.py): None until decided at the first update
+        # all-reduced during the backward, then a ShardedStep or False
+        self._sharding = None
+        self._shard = None  # the ShardedStep when this update's gradients came scattered
 
     @property
     def defers_host_reads(self) -> bool:
         """True when an update leaves its GPU work queued without reading anything back (read by
         ``fairseq_patches``: fairseq-train's wps is then timed after a wait for the GPU)."""
         return self._deferred
+
+    def all_reduce_grads(self, module):
+        """fairseq's all-reduce call (after the engine reduced the gradients during the
+        backward), and where the sharded optimizer step is decided and found."""
+        grads = flat_gradients_of(module)
+        issued = grads is not None and grads.all_reduced
+        super().all_reduce_grads(module)
+        self._shard = None
+        if grads is None:
+            return
+        if self._sharding is None and issued:
+            self._sharding = self._start_sharding(grads)
+        scattered, grads.scattered = grads.scattered, False
+        if scattered:
+            self._shard = self._sharding
+        elif self._sharding and self._sharding.stale:
+            # a whole all-reduce after sharded steps (a step outside the engine's buckets):
+            # the whole Adam step needs the whole master and moments
+            self._consolidate()
+
+    def _start_sharding(self, grads):
+        """The ShardedStep of this run, or False; collective where the engine's all-reduce
+        runs by copy engines (every rank decides alike: same flags, same engine decision)."""
+        mode, flag = self._shard_mode, sharded_step.FLAG
+        if mode == switches.OFF:
+            return False
+        reason = self._sharding_conflict(grads)
+        if not reason:
+            shard, reason = sharded_step.create(grads, grads.peer_reduce)
+            if shard is not None:
+                grads.peer_reduce.scatter_only = True  # from the next update on
+                self.fp32_optimizer.optimizer.consolidate = self._consolidate
+                logger.info(f"{flag[2:]}: each of the {shard.peer.plan.world} GPUs runs Adam "
+                            f"on the gradient shards it sums and sends the new fp16 weights to "
+                            f"the others; {flag.replace('--ls-', '--ls-no-')} for a whole step "
+                            f"on every GPU")
+                return shard
+        if reason:
+            switches.refuse_or_step_aside(mode, flag, reason, logger)
+        return False
+
+    def _sharding_conflict(self, grads):
+        """Why this optimizer cannot take the sharded step (empty: it can), from what is the
+        same on every rank."""
+        if not torch.is_tensor(self._master):
+            return "it needs fairseq's flat fp32 master (drop --fp16-no-flatten-grads)"
+        if self.fp32_optimizer.optimizer.fp16_stats:
+            return "it does not support --fp16-adam-stats"
+        ids = {id(p) for p in grads.params}
+        if len(ids) != len(grads.params) or ids != {id(p) for p in self.fp16_params
+                                                    if p.requires_grad}:
+            return "the optimizer's parameters are not the model's (criterion parameters?)"
+        return ""
+
+    def _consolidate(self):
+        """The whole fp32 master and moments on every rank (collective; LSAdam calls it before
+        a checkpoint)."""
+        if not self._sharding or not self._sharding.stale:
+            return
+        handling = sys.exc_info()[1]
+        if handling is not None and not isinstance(handling, FloatingPointError):
+            # fairseq's crash.pt after an error of this rank alone: the others would never
+            # join the sums; state_dict then refuses, after the error itself is reported
+            return
+        opt = self.fp32_optimizer.optimizer
+        state = opt.state.get(self._master, {})
+        tensors = [self._master.data] + [state[k] for k in ("exp_avg", "exp_avg_sq")
+                                         if k in state]
+        self._sharding.consolidate([p for p in self.fp16_params if p.requires_grad], tensors)
 
     def _sync_fp16_grads_to_fp32(self):
         self._needs_sync = False  # the kernel reads the fp16 grads directly
@@ -412,7 +528,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         grads = [p.grad for p in self.fp16_params if p.grad is not None]
         if self._deferred:
             self._book_pending()  # normally done by backward
-        total = _fp32_grad_norm(grads)
+        total = self._shard.grad_norm() if self._shard else _fp32_grad_norm(grads)
         if aggregate_norm_fn is not None:
             total = aggregate_norm_fn(total)
         if self._deferred:  # no read-back: overflow and clipping folded into the step's factor
@@ -436,8 +552,11 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         loss = closure() if closure is not None else None
         if self._deferred and self._pending is None:  # no clip_grad_norm call before the step
             self.clip_grad_norm(0.0)
+        shard, self._shard = self._shard, None
         stepped = self.fp32_optimizer.optimizer.step_fp16_master(
-            self.fp16_params, self._master, grad_scale=self._multiply_factor)
+            self.fp16_params, self._master, grad_scale=self._multiply_factor, shard=shard)
+        if shard is not None:
+            shard.push_params()
         if self._deferred:
             self._pending.states = stepped  # booked at the next backward
         elif self.scaler is not None:
@@ -447,11 +566,18 @@ class LSFusedFP16Optimizer(FP16Optimizer):
     def state_dict(self):
         if self._deferred:
             self._book_pending()  # the saved loss scale and step counts are fairseq's
+        if self._sharding and self._sharding.stale:
+            raise RuntimeError(f"{sharded_step.FLAG}: the optimizer state is sharded over the "
+                               f"GPUs; call optimizer.optimizer.consolidate_state_dict() on every "
+                               f"rank first (fairseq's trainer does, before saving a checkpoint), "
+                               f"or train with --ls-no-sharded-optimizer-step")
         return super().state_dict()
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self._pending = None  # the loaded state replaces what it would have booked
         super().load_state_dict(state_dict, optimizer_overrides)
+        if self._sharding:
+            self._sharding.stale = False  # the loaded moments are whole on every rank
 
     def zero_grad(self):
         for p in self.fp16_params:
