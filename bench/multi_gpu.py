@@ -206,7 +206,7 @@ def corpus(sentences, workers, workdir=None):
 DDP_BACKENDS = ("pytorch_ddp", "legacy_ddp", "no_c10d")
 
 KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training|Loaded checkpoint|"
-                  r"copy-engine-all-reduce")
+                  r"copy-engine-all-reduce|sharded-optimizer-step|re-capturing")
 
 
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
