@@ -475,7 +475,8 @@ class CudaGraphedLoss:
         ptrs = tuple(p.data_ptr() for p in self._params)
         if ptrs == self._alias_ptrs:
             return
-        if self._graphs:
+        dropped = bool(self._graphs)
+        if dropped:
             logger.info("--ls-cuda-graphs: parameter storage changed; re-capturing")
             self._graphs.clear()
             if self._memory is not None:
@@ -484,6 +485,10 @@ class CudaGraphedLoss:
         for i, a in enumerate(self._aliases):
             a.register_hook(functools.partial(self._alias_grad, i))
         self._alias_ptrs = ptrs
+        if dropped and self._memory is not None and self._memory.compact:
+            # the old pool and the old weights' blocks (ls_adam's sharded step moves the weights
+            # into flat buffers) are free now: back to the driver, not kept cached
+            self._memory.release()
 
     def _alias_grad(self, i, grad):
         if self._on_alias_grad is not None:  # only while a backward is being captured
