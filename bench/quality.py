@@ -31,6 +31,7 @@ ls_bf16            ``ls`` with --bf16 instead of --fp16
 ls_eager           ``ls`` + --ls-no-fused-fp16-copy --ls-no-cuda-graphs --ls-no-deferred-overflow-check
 ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
 ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL's all-reduce)
+ls_whole_step      ``ls`` + --ls-no-sharded-optimizer-step (several GPUs: Adam on every GPU)
 ls_fp8             ``ls`` + --ls-fp8 (FP8 linear layers; ls_fp8_ffn / ls_fp8_attention: one part)
 =================  ==================  =================================  ==========
 
@@ -99,6 +100,9 @@ VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-grouped-shuf
 VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
 # several GPUs: ``ls`` sums gradients by copy engines (graphs/peer_all_reduce.py); this keeps NCCL's
 VARIANTS["ls_nccl_all_reduce"] = dict(VARIANTS["ls"], flags=["--ls-no-copy-engine-all-reduce"])
+# several GPUs: ``ls`` steps Adam on each GPU's own shards (graphs/sharded_step.py); this steps
+# the whole model on every GPU
+VARIANTS["ls_whole_step"] = dict(VARIANTS["ls"], flags=["--ls-no-sharded-optimizer-step"])
 # FP8 matmuls in the layers (--ls-fp8, issue 39), in all of them or in one part of each layer
 VARIANTS["ls_fp8"] = dict(VARIANTS["ls"], flags=["--ls-fp8"])
 VARIANTS["ls_fp8_ffn"] = dict(VARIANTS["ls"], flags=["--ls-fp8", "--ls-fp8-layers", "ffn"])
