@@ -23,7 +23,8 @@ rank ``k``. For bucket ``b``, on every rank ``r``, in stream order:
    weights of the shard instead, after Adam).
 
 After the last bucket one more barrier says every result has landed; the step's current stream
-waits for it (not with ``scatter_only``: nothing lands). Each shard is reduced by one rank only, so every rank ends with the same bits.
+waits for it (not with ``scatter_only``: nothing lands). Each shard is reduced by one rank only,
+so every rank ends with the same bits.
 Staging holds, on rank ``r``, ``world - 1`` copies of its shards: (world - 1) / world of the
 gradients' size (210 MB for transformer big's fp16 gradients on 2 GPUs).
 

@@ -31,15 +31,11 @@ How (``ls_adam``'s ``LSFusedFP16Optimizer`` drives it; ``--ls-sharded-optimizer-
 
 Every rank takes this path or none does (``create`` is collective, like ``peer_all_reduce.create``).
 """
-import logging
-
 import torch
 import torch.distributed as dist
 
 from ..ops import peer_memory
 from .peer_all_reduce import _attempt, _everyone, _first_reason, _nbytes
-
-logger = logging.getLogger(__name__)
 
 FLAG = "--ls-sharded-optimizer-step"
 
@@ -108,10 +104,7 @@ class ShardedStep:
                exp_avg_sq.data_ptr())
         if self._views is not None and self._views[0] == key:
             return self._views[1]
-        starts, total = [], 0
-        for p in params:
-            starts.append(total)
-            total += p.numel()
+        starts, total = _master_starts(params)
         if total != master.numel():
             raise RuntimeError(f"{FLAG}: the flat fp32 master has {master.numel()} elements but "
                                f"the fp16 params have {total}")
@@ -140,16 +133,9 @@ class ShardedStep:
         """Every rank gets the whole of each of ``tensors`` (fp32 master or a moment, laid out
         as the master): zeroed outside this rank's shards, then summed over the ranks
         (collective)."""
-        ranges, total = [], 0
-        starts = {}
-        for i, p in enumerate(params):
-            starts[i] = total
-            total += p.numel()
-        for i, a, e in self.pieces(params):
-            ranges.append((starts[i] + a, starts[i] + e))
-        ranges.sort()
+        starts, total = _master_starts(params)
         gaps, end = [], 0
-        for a, e in ranges:
+        for a, e in sorted((starts[i] + a, starts[i] + e) for i, a, e in self.pieces(params)):
             if a > end:
                 gaps.append((end, a))
             end = max(end, e)
@@ -163,6 +149,16 @@ class ShardedStep:
                 t[a:e].zero_()
             self.all_reduce_sum(t)
         self.stale = False
+
+
+def _master_starts(params):
+    """Where each of ``params`` starts in fairseq's flat fp32 master (their elements back to
+    back, in order), and the master's size."""
+    starts, total = [], 0
+    for p in params:
+        starts.append(total)
+        total += p.numel()
+    return starts, total
 
 
 def rehome(grads):

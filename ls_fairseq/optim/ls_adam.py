@@ -270,8 +270,8 @@ class LSAdam(torch.optim.Optimizer):
         with --fp16-adam-stats). State layout is exactly that of ``step`` on the fp32 master, so
         checkpoints are those of fairseq's FP16Optimizer + adam. ``shard``
         (``graphs.sharded_step.ShardedStep``, flat master only): only this rank's shards are
-        stepped. Returns the states whose step count it advanced. Without the CUDA kernels: the same math in PyTorch (no
-        --fp16-adam-stats with a flat master there)."""
+        stepped. Returns the states whose step count it advanced. Without the CUDA kernels: the
+        same math in PyTorch (no --fp16-adam-stats with a flat master there)."""
         if len(self.param_groups) != 1:
             raise RuntimeError("ls_adam --ls-fused-fp16-copy supports one param group")
         if shard is not None and (self.fp16_stats or not torch.is_tensor(fp32_params)):
@@ -395,6 +395,12 @@ class LSFusedFP16Optimizer(FP16Optimizer):
     With ``--ls-deferred-overflow-check`` (``--fp16`` only) nothing is read back in the update:
     the overflow test and the clip factor stay on the device and the scaler's bookkeeping is
     done at the next ``backward`` (:mod:`.deferred_overflow`).
+
+    On several GPUs with the copy-engine all-reduce each GPU steps only the gradient shards it
+    sums and sends the new fp16 weights to the others (``--ls-sharded-optimizer-step``,
+    :mod:`ls_fairseq.graphs.sharded_step`): decided in ``all_reduce_grads`` at the first update,
+    the grad norm from the shards in ``clip_grad_norm``, the whole state summed from the shards
+    in ``LSAdam.consolidate_state_dict`` before fairseq saves a checkpoint.
     """
 
     def __init__(self, cfg, params, fp32_optimizer, fp32_params, **kwargs):
