@@ -341,7 +341,7 @@ def test_required_is_refused_where_it_cannot_apply():
 
 def test_off_with_the_no_flag(monkeypatch):
     ranks, buckets, _ = _ranks(2, 300, ["--ls-no-sharded-optimizer-step"], monkeypatch)
-    assert ranks[0].opt._shard_mode == switches.OFF
+    assert ranks[0].opt.fp32_optimizer.sharded_step_mode == switches.OFF
     norms = [None, None]
     _in_threads(2, lambda r: _update(ranks[r], r, 0, buckets, 0.0, (), norms))
     assert all(rank.opt._sharding is False and not rank.peer.scatter_only for rank in ranks)

@@ -59,6 +59,7 @@ class ShardedStep:
         self.grad_shards = [grads.flats[f][lo:hi] for f, lo, hi in self.owned]
         self.pushes = [(flats[f][lo:hi], param_flats[f][lo:hi])
                        for flats in peer_param_flats.values() for f, lo, hi in self.owned]
+        self._span_of = {id(p): span for p, span in zip(grads.params, grads.spans)}
         self.stale = False  # master and moments outside the owned shards are out of date
         self._views = None  # (key, views) of adam_views
 
@@ -76,7 +77,7 @@ class ShardedStep:
     def pieces(self, params):
         """``(i, start, end)`` per piece of ``params[i]`` (element range, in the parameter's own
         order) inside this rank's shards, in shard order."""
-        where = {id(p): span for p, span in zip(self.grads.params, self.grads.spans)}
+        where = self._span_of
         missing = [i for i, p in enumerate(params) if id(p) not in where]
         if missing:
             raise ValueError(f"{FLAG}: {len(missing)} optimized parameter(s) without a flat "
@@ -108,10 +109,9 @@ class ShardedStep:
         if total != master.numel():
             raise RuntimeError(f"{FLAG}: the flat fp32 master has {master.numel()} elements but "
                                f"the fp16 params have {total}")
-        spans = {id(p): span for p, span in zip(self.grads.params, self.grads.spans)}
         views = ([], [], [], [], [])
         for i, a, e in self.pieces(params):
-            f, off, _ = spans[id(params[i])]
+            f, off, _ = self._span_of[id(params[i])]
             m = slice(starts[i] + a, starts[i] + e)
             views[0].append(master.data[m])
             views[1].append(self.grads.flats[f][off + a:off + e])

@@ -89,9 +89,10 @@ class FairseqLSAdam(FairseqOptimizer):
         if deferred == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
             raise ValueError("--ls-deferred-overflow-check needs the fused fp16 copy: drop "
                              "--ls-no-fused-fp16-copy")
-        sharded = switches.resolve(getattr(cfg, "ls_sharded_optimizer_step", False),
-                                   getattr(cfg, "ls_no_sharded_optimizer_step", False),
-                                   sharded_step.FLAG)
+        # read by LSFusedFP16Optimizer, which runs the sharded step
+        self.sharded_step_mode = sharded = switches.resolve(
+            getattr(cfg, "ls_sharded_optimizer_step", False),
+            getattr(cfg, "ls_no_sharded_optimizer_step", False), sharded_step.FLAG)
         if sharded == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
             raise ValueError(f"{sharded_step.FLAG} needs the fused fp16 copy: drop "
                              f"--ls-no-fused-fp16-copy")
@@ -282,7 +283,8 @@ class LSAdam(torch.optim.Optimizer):
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"])
         fp16_params = [p for p in fp16_params if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fp16_params]
+        if shard is None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in fp16_params]
         if self._kernels_ok([p.data for p in fp16_params]):
             from ..ops.adam import adam_step_cuda as adam_step
         elif self.fp16_stats and torch.is_tensor(fp32_params):
@@ -419,10 +421,6 @@ class LSFusedFP16Optimizer(FP16Optimizer):
                 p32.grad = None
         self._deferred = _defers_overflow_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
-        opt_cfg = getattr(cfg, "optimizer", None)
-        self._shard_mode = switches.resolve(
-            getattr(opt_cfg, "ls_sharded_optimizer_step", False),
-            getattr(opt_cfg, "ls_no_sharded_optimizer_step", False), sharded_step.FLAG)
         # the sharded step (graphs/sharded_step.py): None until decided at the first update
         # all-reduced during the backward, then a ShardedStep or False
         self._sharding = None
@@ -456,7 +454,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
     def _start_sharding(self, grads):
         """The ShardedStep of this run, or False; collective where the engine's all-reduce
         runs by copy engines (every rank decides alike: same flags, same engine decision)."""
-        mode, flag = self._shard_mode, sharded_step.FLAG
+        mode, flag = self.fp32_optimizer.sharded_step_mode, sharded_step.FLAG
         if mode == switches.OFF:
             return False
         reason = self._sharding_conflict(grads)
@@ -531,10 +529,10 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         tensor each test waits for the GPU, the second one for the whole Adam kernel, while
         nothing else is queued behind it. Same values: the fp32 norm, the clip factor and the
         overflow check are computed on the host from it."""
-        grads = [p.grad for p in self.fp16_params if p.grad is not None]
         if self._deferred:
             self._book_pending()  # normally done by backward
-        total = self._shard.grad_norm() if self._shard else _fp32_grad_norm(grads)
+        total = self._shard.grad_norm() if self._shard else _fp32_grad_norm(
+            [p.grad for p in self.fp16_params if p.grad is not None])
         if aggregate_norm_fn is not None:
             total = aggregate_norm_fn(total)
         if self._deferred:  # no read-back: overflow and clipping folded into the step's factor
