@@ -123,11 +123,11 @@ VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_grap
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",
                             flags=VARIANTS["ls_deferred"]["flags"] + ["--ls-async-stats"])
-# several GPUs: ls_ runs group an update's N batches by length by default (fairseq_patches,
-# patch 7); ls_fairseq_order turns that off (fairseq's dealing), and ls_grouped_fairseq passes
-# fairseq's own --grouped-shuffling instead (which also rebuilds the batches every epoch). On one
-# GPU each is the same run as ls (or the baseline), whose figure bench/multi_gpu.py reuses
-VARIANTS["ls_fairseq_order"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-grouped-shuffling"])
+# several GPUs: ls_ runs fix batches to GPUs by default (fairseq_patches, patch 7);
+# ls_fairseq_order turns that off (fairseq's dealing), and ls_grouped_fairseq passes fairseq's own
+# --grouped-shuffling instead (length-grouped updates; it also rebuilds the batches every epoch).
+# On one GPU each is the same run as ls (or the baseline), whose figure bench/multi_gpu.py reuses
+VARIANTS["ls_fairseq_order"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-fix-batches-to-gpus"])
 VARIANTS["ls_grouped_fairseq"] = dict(_LS, single_gpu_as="ls", flags=["--grouped-shuffling"])
 # several GPUs: ls_ all-reduces the gradient buckets by copy engines by default
 # (graphs/peer_all_reduce.py); ls_nccl_all_reduce keeps NCCL's all-reduce (same run on one GPU)

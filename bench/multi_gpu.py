@@ -573,7 +573,7 @@ def correctness(data, args, on_step=None):
     # 1 + 2: correctness and resume, dropout off so the two runs are comparable update by update;
     # fairseq's order on N GPUs (no length grouping), the batches of 1 GPU x update-freq N
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
-              "--ls-no-grouped-shuffling"]
+              "--ls-no-fix-batches-to-gpus"]
     if args.init_scale:
         nodrop += ["--fp16-init-scale", f"{args.init_scale:g}"]
     multi_dir, single_dir = "/tmp/mg_multi", "/tmp/mg_single"
@@ -643,7 +643,7 @@ def graphs_check(args, sentences=4000, updates=100):
     update that the ranks' grad norms agree (it stops the run if not). (the text, the data)"""
     data = corpus(sentences, args.workers)
     nodrop = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
-              "--no-save", "--ls-no-grouped-shuffling"]
+              "--no-save", "--ls-no-fix-batches-to-gpus"]
     mt = args.max_tokens[0]
     logs = {}
     for gpus, freq in ((args.gpus, 1), (1, args.gpus)):

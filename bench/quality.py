@@ -94,9 +94,11 @@ VARIANTS["ls_eager"] = dict(VARIANTS["ls"], flags=[
     "--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs", "--ls-no-deferred-overflow-check"])
 VARIANTS["ls_bf16"] = dict(VARIANTS["ls"], bf16=True)  # --bf16 instead of --fp16 (on a GPU)
 VARIANTS["ls_off"] = dict(VARIANTS["ls"], env={"LS_FAIRSEQ_KERNELS": "off"})
-# several GPUs: ``ls`` groups an update's N batches by length (fairseq_patches, patch 7);
-# ls_fairseq_order keeps fairseq's dealing, baseline_grouped is fairseq with its --grouped-shuffling
-VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-grouped-shuffling"])
+# several GPUs: ``ls`` fixes batches to GPUs (fairseq_patches, patch 7); ls_fairseq_order keeps
+# fairseq's dealing; ls_grouped and baseline_grouped train length-grouped updates (fairseq's
+# --grouped-shuffling), whose early training curve lags fairseq's order (docs/QUALITY.md)
+VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-fix-batches-to-gpus"])
+VARIANTS["ls_grouped"] = dict(VARIANTS["ls"], flags=["--grouped-shuffling"])
 VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
 # several GPUs: ``ls`` sums gradients by copy engines (graphs/peer_all_reduce.py); this keeps NCCL's
 VARIANTS["ls_nccl_all_reduce"] = dict(VARIANTS["ls"], flags=["--ls-no-copy-engine-all-reduce"])

@@ -57,11 +57,26 @@ from ls_fairseq.testing.fairseq_helpers import IndexDataset  # noqa: E402
 BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_bucket_slack
 
 
+#: the orders ``epoch_order`` deals: fairseq's default, fairseq's --grouped-shuffling (as
+#: ls_fairseq keeps the batches past the last full group), and per_rank (not built): rank r keeps
+#: the frozen batches r, r + N, ... (they span every length) and shuffles them on its own each
+#: epoch, so an update pairs batches at random as fairseq's order does, yet every rank keeps
+#: meeting the same shapes
+ORDERS = ("fairseq", "grouped", "per_rank")
+
+
 def epoch_order(n_batches, ranks, epoch, seed, grouped):
     """Each rank's batch indices of an epoch (None: fairseq's dummy batch), from fairseq's own
     ``EpochBatchIterator.ordered_batches`` as ls_fairseq runs it: with ``grouped``
-    (``--grouped-shuffling``) the batches after the last full group come last instead of being
-    dropped (``fairseq_patches``, patch 6)."""
+    (``--grouped-shuffling``, or ``"grouped"``) the batches after the last full group come last
+    instead of being dropped (``fairseq_patches``, patch 6); ``"per_rank"``: ``ORDERS``."""
+    if grouped == "per_rank":
+        own = [list(range(r, n_batches, ranks)) for r in range(ranks)]
+        for r, mine in enumerate(own):
+            np.random.default_rng([seed, epoch, r]).shuffle(mine)
+        longest = max(len(mine) for mine in own)
+        return [mine + [None] * (longest - len(mine)) for mine in own]
+    grouped = grouped in (True, "grouped")
     batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
     return [[int(b[0]) if len(b) else None
              for b in iterators.EpochBatchIterator(
@@ -179,6 +194,9 @@ def main(argv=None):
                     help="how the ranks of an update choose their padded shapes on N GPUs: "
                          + "; ".join(f"{k}: {v}" for k, v in POLICIES.items())
                          + ". Only 'own' is built.")
+    ap.add_argument("--orders", nargs="+", choices=ORDERS, default=["fairseq", "grouped"],
+                    help="how the epoch's batches reach the ranks: " + "; ".join(ORDERS)
+                         + " (per_rank is not built)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
@@ -208,15 +226,15 @@ def main(argv=None):
           "updates of one shape | shapes per rank |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for n in a.gpus:
-        for grouped in (False, True):
-            sim = simulate(raw, n, a.epochs, a.seed, grouped, rate_s, capture_s, reduce_s,
+        for order in a.orders:
+            sim = simulate(raw, n, a.epochs, a.seed, order, rate_s, capture_s, reduce_s,
                            a.shape_policy, optimizer_s, gather_s)
             for ref, e in zip(one, sim):
-                row = dict(gpus=n, grouped_shuffling=grouped, **e,
+                row = dict(gpus=n, order=order, grouped_shuffling=order == "grouped", **e,
                            scaling=ref["seconds"] / e["seconds"],
                            straggler_share=e["straggler_s"] / e["seconds"])
                 rows.append(row)
-                print(f"| {n} | {'grouped' if grouped else 'fairseq default'} | {e['epoch']} | "
+                print(f"| {n} | {order} | {e['epoch']} | "
                       f"{e['updates']} | {row['scaling']:.2f}x | {row['straggler_share']:.1%} | "
                       f"{e['captures']} | {e['same_shape_updates']:.0%} | "
                       f"{e['shapes_per_rank']} |")

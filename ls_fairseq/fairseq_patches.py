@@ -44,20 +44,22 @@ the docstring of each test file there says).
    last full group, the same ones every epoch: up to N - 1 batches of the longest sentences are
    never trained on. Here they come last in the epoch, one per rank, and the ranks left
    without one run fairseq's dummy batch (as for any epoch that does not divide by N). The full
-   groups keep fairseq's order. Without grouping, on one GPU, with ``fix_batches_to_gpus`` or a
-   prefetching dataset: fairseq's method, unchanged.
-7. ``Trainer.get_train_iterator`` (length-grouped updates on several GPUs): fairseq deals each
-   epoch's shuffled batches to the GPUs anew, so an update's N batches differ in length (every
-   GPU waits for the one with the longest) and each GPU keeps meeting batch shapes its CUDA
+   groups keep fairseq's order. It also serves patch 7's order. Without either, on one GPU, with
+   ``fix_batches_to_gpus`` or a prefetching dataset: fairseq's method, unchanged.
+7. ``Trainer.get_train_iterator`` (batches fixed to GPUs on several GPUs): fairseq deals each
+   epoch's shuffled batches to the GPUs anew, so each GPU keeps meeting batch shapes its CUDA
    graphs have not captured. For ls_ runs (``--criterion ls_label_smoothed_cross_entropy``) on
-   several GPUs of plain data parallelism, the training iterator shuffles in groups of N as
-   fairseq's ``--grouped-shuffling`` does: an update's N batches are neighbours in length and
-   each GPU keeps its batches from epoch to epoch. Unlike fairseq's flag, the batches are built
-   once and kept, as without the flag (fairseq's flag also rebuilds them at every epoch, which
-   took ~16 s an epoch on 200k sentence pairs), and the batches past the last full group are
-   kept by patch 6. One log line says so. ``--ls-no-grouped-shuffling``, one GPU, other
-   criterions, model parallelism and runs that pass ``--grouped-shuffling`` themselves:
-   fairseq's method, unchanged.
+   several GPUs of plain data parallelism, GPU r keeps batches r, r + N, ... of fairseq's
+   length-ordered batches and shuffles them itself each epoch (seed + epoch + r, the shards
+   that come up short end in fairseq's dummy batch): fairseq's own order under
+   ``--fix-batches-to-gpus``, which fairseq honours only for prefetching datasets. An update's
+   N batches are then a random pick, one from each GPU's share, as in fairseq's order. Not
+   length-grouped updates (fairseq's ``--grouped-shuffling``): their N batches are neighbours in
+   length, and on a learnable corpus that trains slower for the first ~1,000 updates
+   (docs/QUALITY.md). One log line says so. ``--ls-no-fix-batches-to-gpus``, one GPU, other
+   criterions, model parallelism, prefetching datasets and runs that pass
+   ``--grouped-shuffling`` themselves: fairseq's method, unchanged (``--fix-batches-to-gpus``
+   passed by the user is the same order).
 """
 import functools
 import logging
@@ -286,12 +288,30 @@ def remainder_of_groups(batches, shards: int, shard_id: int):
     return tail[shard_id] if shard_id < left else []
 
 
+def batches_fixed_to_gpus(batches, shards: int, shard_id: int, seed: int):
+    """``shard_id``'s batches of an epoch as fairseq orders them under ``--fix-batches-to-gpus``
+    (its prefetching path): every ``shards``-th batch from ``shard_id`` on, ``[]`` (fairseq's
+    dummy batch) where the shard comes up short, shuffled under ``numpy_seed(seed)``."""
+    import numpy as np
+    from fairseq.data import data_utils
+    from fairseq.data.iterators import ShardedIterator
+
+    mine = list(ShardedIterator(batches, shards, shard_id, fill_value=[]))
+    with data_utils.numpy_seed(seed):
+        np.random.shuffle(mine)
+    return mine
+
+
 def _patch_grouped_shuffling():
     from fairseq.data.iterators import EpochBatchIterator
 
     def make(original):
         @functools.wraps(original)
         def ordered_batches(self, epoch, fix_batches_to_gpus, shuffle):
+            if getattr(self, "ls_fix_batches_to_gpus", False) and shuffle \
+                    and not self._supports_prefetch:  # patch 7
+                return batches_fixed_to_gpus(self.frozen_batches, self.num_shards,
+                                             self.shard_id, self.seed + epoch + self.shard_id)
             batches = original(self, epoch, fix_batches_to_gpus, shuffle)
             if not (getattr(self, "grouped_shuffling", False) and shuffle
                     and not fix_batches_to_gpus and not self._supports_prefetch):
@@ -305,28 +325,28 @@ def _patch_grouped_shuffling():
 
 # ---- 7. Trainer.get_train_iterator ----------------------------------------------------------
 
-def groups_updates(trainer) -> bool:
+def fixes_batches(trainer) -> bool:
     """Whether patch 7 applies to ``trainer``'s run (see the module docstring)."""
     from . import switches
 
     return not trainer.cfg.dataset.grouped_shuffling and switches.data_parallel_switch(
-        trainer, "ls_grouped_shuffling", "--ls-grouped-shuffling", logger)
+        trainer, "ls_fix_batches_to_gpus", "--ls-fix-batches-to-gpus", logger)
 
 
-def grouped_train_iterator(original):
+def fixed_batches_train_iterator(original):
     """Patch 7's wrapper of ``Trainer.get_train_iterator`` (``original``: fairseq's method)."""
     @functools.wraps(original)
     def get_train_iterator(self, *args, **kwargs):
         itr = original(self, *args, **kwargs)
-        if groups_updates(self):
-            itr.grouped_shuffling = True  # read by each epoch's ordered_batches
-            if not getattr(self, "_ls_grouped_logged", False):
-                self._ls_grouped_logged = True
+        if fixes_batches(self):
+            itr.ls_fix_batches_to_gpus = True  # read by each epoch's ordered_batches
+            if not getattr(self, "_ls_fixed_logged", False):
+                self._ls_fixed_logged = True
                 logger.info(
-                    f"grouped shuffling: an update's {self.data_parallel_world_size} batches "
-                    f"are neighbours in length, and each GPU keeps its batches across epochs "
-                    f"(fairseq's --grouped-shuffling, with the batches built once); "
-                    f"--ls-no-grouped-shuffling for fairseq's order")
+                    f"batches fixed to GPUs: each of the {self.data_parallel_world_size} GPUs "
+                    f"keeps its share of the batches (one in {self.data_parallel_world_size}) "
+                    f"and shuffles it itself each epoch (fairseq's --fix-batches-to-gpus order); "
+                    f"--ls-no-fix-batches-to-gpus for fairseq's order")
         return itr
     return get_train_iterator
 
@@ -334,4 +354,4 @@ def grouped_train_iterator(original):
 def _patch_train_iterator():
     from fairseq.trainer import Trainer
 
-    _wrap(Trainer, "get_train_iterator", grouped_train_iterator)
+    _wrap(Trainer, "get_train_iterator", fixed_batches_train_iterator)

@@ -246,8 +246,8 @@ FLAG_CASES = [
      "pass one of them"),
     (["--ls-async-stats", "--ls-no-async-stats"],
      "--ls-async-stats and --ls-no-async-stats contradict each other: pass one of them"),
-    (["--ls-grouped-shuffling", "--ls-no-grouped-shuffling"],
-     "--ls-grouped-shuffling and --ls-no-grouped-shuffling contradict each other: pass one of "
+    (["--ls-fix-batches-to-gpus", "--ls-no-fix-batches-to-gpus"],
+     "--ls-fix-batches-to-gpus and --ls-no-fix-batches-to-gpus contradict each other: pass one of "
      "them"),
     (["--ls-copy-engine-all-reduce", "--ls-no-copy-engine-all-reduce"],
      "--ls-copy-engine-all-reduce and --ls-no-copy-engine-all-reduce contradict each other: "

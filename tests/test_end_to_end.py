@@ -256,10 +256,10 @@ def test_four_cpu_workers_checkpoint_resumes_on_one_worker(data_bin, tmp_path):
     worker with update-freq 4 logs when it trains two epochs, saves and resumes, to the printed
     digit: ls_adam's state, the loss scaler and the schedule move between world sizes. (The
     reference resumes too: a resumed fairseq run, plain fairseq's as well, does not repeat an
-    uninterrupted one to the digit.) fairseq's order (--ls-no-grouped-shuffling): one worker
-    cannot group four workers' batches by length."""
+    uninterrupted one to the digit.) fairseq's order (--ls-no-fix-batches-to-gpus): one worker
+    cannot keep four workers' shares apart."""
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp",
-             "--ls-no-grouped-shuffling"]
+             "--ls-no-fix-batches-to-gpus"]
     more = ["--max-tokens", "300", "--weight-decay", "0", "--log-interval", "1",
             "--disable-validation"]
 
@@ -313,12 +313,12 @@ def test_grouped_shuffling_trains_on_every_batch(data_bin, tmp_path):
         assert abs(tokens_5 - tokens_1) <= 0.05 * (batches + updates), (one, five)
 
 
-def test_several_workers_group_updates_by_length_by_default(data_bin, tmp_path):
-    """The plain ls_ command on three gloo workers groups each update's batches by length
-    (fairseq_patches patch 7): one log line says so; the batches are built once for all epochs
-    (fairseq's own --grouped-shuffling builds them anew every epoch, its log says); every batch
-    is trained on, as many target tokens per epoch as one worker in ceil(batches / 3) updates;
-    --ls-no-grouped-shuffling gives fairseq's order, whose updates differ."""
+def test_several_workers_fix_batches_to_gpus_by_default(data_bin, tmp_path):
+    """The plain ls_ command on three gloo workers fixes batches to workers (fairseq_patches
+    patch 7): one log line says so; the batches are built once for all epochs; every batch is
+    trained on, as many target tokens per epoch as one worker in ceil(batches / 3) updates;
+    each worker's share spans the lengths, so an update is not a run of length neighbours;
+    --ls-no-fix-batches-to-gpus gives fairseq's order, whose updates differ."""
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
              "--ddp-backend", "legacy_ddp"]
     more = ["--max-tokens", "300", "--max-epoch", "3", "--disable-validation",
@@ -329,29 +329,26 @@ def test_several_workers_group_updates_by_length_by_default(data_bin, tmp_path):
 
     one = _epoch_totals(run(cmd()))
     batches = one[0][0]
-    grouped = _gloo_workers(cmd(), 3)
-    assert grouped.count("grouped shuffling: an update's 3 batches are neighbours") == 1
-    assert grouped.count("creating new batches for epoch") == 1
-    totals = _epoch_totals(grouped)
+    fixed = _gloo_workers(cmd(), 3)
+    assert fixed.count("batches fixed to GPUs: each of the 3 GPUs keeps its share of the "
+                       "batches (one in 3)") == 1
+    assert fixed.count("creating new batches for epoch") == 1
+    totals = _epoch_totals(fixed)
     assert [u for u, _ in totals] == [-(-batches // 3)] * 3
     for (_, tokens_1), (updates, tokens_3) in zip(one, totals):
         assert abs(tokens_3 - tokens_1) <= 0.05 * (batches + updates), (one, totals)
-    theirs = _gloo_workers(cmd("--grouped-shuffling"), 3)
-    assert "grouped shuffling: an update's" not in theirs
-    # epochs 1-3, and 4: fairseq-train builds the next epoch's iterator before it stops
-    assert theirs.count("creating new batches for epoch") == 4
-    plain = _gloo_workers(cmd("--ls-no-grouped-shuffling"), 3)
-    assert "grouped shuffling: an update's" not in plain
-    assert len(WPB.findall(plain)) == len(WPB.findall(grouped)) == 3 * -(-batches // 3)
-    assert WPB.findall(plain) != WPB.findall(grouped)
+    plain = _gloo_workers(cmd("--ls-no-fix-batches-to-gpus"), 3)
+    assert "batches fixed to GPUs" not in plain
+    assert len(WPB.findall(plain)) == len(WPB.findall(fixed)) == 3 * -(-batches // 3)
+    assert WPB.findall(plain) != WPB.findall(fixed)
 
 
-def test_grouped_updates_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path):
-    """The default grouping across a resume (patch 7 groups the iterator before fairseq restores
-    its position in the epoch): two gloo workers stopped in the middle of epoch 2 and resumed
-    train on the same batches, update by update, as two workers that did not stop (each update's
-    wpb: its batches' token counts, whatever the weights); their checkpoint also resumes on one
-    worker with --update-freq 2."""
+def test_fixed_batches_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path):
+    """Batches fixed to workers across a resume (patch 7 marks the iterator before fairseq
+    restores its position in the epoch): two gloo workers stopped in the middle of epoch 2 and
+    resumed train on the same batches, update by update, as two workers that did not stop (each
+    update's wpb: its batches' token counts, whatever the weights); their checkpoint also
+    resumes on one worker with --update-freq 2."""
     import shutil
 
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp"]
@@ -363,7 +360,7 @@ def test_grouped_updates_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path
                          more=more + list(flags))
 
     whole = _gloo_workers(cmd("whole", 0, "--no-save"), 2)
-    assert "grouped shuffling: an update's 2 batches" in whole
+    assert "batches fixed to GPUs: each of the 2 GPUs" in whole
     per_epoch = _epoch_totals(whole)[0][0]
     stop = per_epoch + per_epoch // 2
     cut = _gloo_workers(cmd("cut", stop), 2)
@@ -385,9 +382,9 @@ def test_two_cpu_workers_with_async_stats_log_what_one_worker_logs(data_bin, tmp
     validation figures as one worker with update-freq 2, to the last printed digit. (Without
     them fairseq cannot even run this on CPUs: its all_gather_list needs CUDA. legacy_ddp:
     fairseq gives torch DDP a GPU device id even on the CPU. fairseq's order: one worker cannot
-    group two workers' batches by length.)"""
+    keep two workers' shares apart.)"""
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
-             "--ddp-backend", "legacy_ddp", "--ls-no-grouped-shuffling"]
+             "--ddp-backend", "legacy_ddp", "--ls-no-fix-batches-to-gpus"]
     cmd = train_cmd(data_bin, tmp_path, "ls_transformer", extra, 30,
                     more=["--max-tokens", "300", "--weight-decay", "0"])
     two = _gloo_workers(cmd, 2)

@@ -133,27 +133,28 @@ def test_grouped_shuffling_keeps_the_batches_fairseq_drops(n_batches, shards):
         assert plain == _epoch(n_batches, shards, epoch, original=True)
 
 
-# ---- patch 7: length-grouped updates on several GPUs ----------------------------------------
+# ---- patch 7: batches fixed to GPUs on several GPUs -----------------------------------------
 def _trainer(mode, workers, grouped_by_user=False):
-    criterion = SimpleNamespace() if mode is None else SimpleNamespace(ls_grouped_shuffling=mode)
+    criterion = SimpleNamespace() if mode is None else SimpleNamespace(ls_fix_batches_to_gpus=mode)
     return SimpleNamespace(_criterion=criterion, data_parallel_world_size=workers,
                            cfg=SimpleNamespace(dataset=SimpleNamespace(
                                grouped_shuffling=grouped_by_user)))
 
 
-@pytest.mark.parametrize("mode,workers,by_user,groups", [
+@pytest.mark.parametrize("mode,workers,grouped,applies", [
     ("auto", 2, False, True), ("on", 4, False, True), ("auto", 3, False, True),
-    ("off", 2, False, False),  # --ls-no-grouped-shuffling
-    ("auto", 1, False, False), ("on", 1, False, False),  # one GPU: nothing to group
+    ("off", 2, False, False),  # --ls-no-fix-batches-to-gpus
+    ("auto", 1, False, False), ("on", 1, False, False),  # one GPU
     ("auto", 2, True, False),  # the user's own --grouped-shuffling: fairseq's, as given
     (None, 2, False, False),  # a criterion that is not ls_'s
 ])
-def test_train_iterator_groups_ls_runs_on_several_workers(mode, workers, by_user, groups, caplog):
-    """Patch 7: the wrapper sets the iterator's grouping for ls_ runs on several workers, says
-    so once per trainer, and returns fairseq's iterator untouched for every other run."""
+def test_train_iterator_fixes_batches_of_ls_runs_on_several_workers(
+        mode, workers, grouped, applies, caplog):
+    """Patch 7: the wrapper marks the iterator of ls_ runs on several workers, says so once per
+    trainer, and returns fairseq's iterator untouched for every other run."""
     from fairseq.data import iterators
 
-    trainer = _trainer(mode, workers, by_user)
+    trainer = _trainer(mode, workers, grouped)
     made = []
 
     def fairseqs(self, epoch, **kwargs):  # stands for fairseq's get_train_iterator
@@ -162,52 +163,72 @@ def test_train_iterator_groups_ls_runs_on_several_workers(mode, workers, by_user
             grouped_shuffling=self.cfg.dataset.grouped_shuffling))
         return made[-1]
 
-    wrapped = fairseq_patches.grouped_train_iterator(fairseqs)
+    wrapped = fairseq_patches.fixed_batches_train_iterator(fairseqs)
     with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
         for epoch in (1, 2, 3):
             itr = wrapped(trainer, epoch, load_dataset=False)
             assert itr is made[-1]
-            assert itr.grouped_shuffling == (groups or by_user)
-    lines = [r.message for r in caplog.records if "grouped shuffling" in r.message]
-    assert len(lines) == (1 if groups else 0), lines
+            assert getattr(itr, "ls_fix_batches_to_gpus", False) == applies
+            assert itr.grouped_shuffling == grouped  # never set by the patch
+    lines = [r.message for r in caplog.records if "batches fixed to GPUs" in r.message]
+    assert len(lines) == (1 if applies else 0), lines
 
 
-def test_grouped_updates_refused_or_stepped_aside_under_model_parallelism(monkeypatch, caplog):
-    """Fewer data-parallel workers than processes (model parallelism): --ls-grouped-shuffling
+def test_fixed_batches_refused_or_stepped_aside_under_model_parallelism(monkeypatch, caplog):
+    """Fewer data-parallel workers than processes (model parallelism): --ls-fix-batches-to-gpus
     is refused with the reason, the default steps aside with one line."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    with pytest.raises(ValueError, match="--ls-grouped-shuffling: it needs plain data"):
-        fairseq_patches.groups_updates(_trainer("on", 2))
+    with pytest.raises(ValueError, match="--ls-fix-batches-to-gpus: it needs plain data"):
+        fairseq_patches.fixes_batches(_trainer("on", 2))
     trainer = _trainer("auto", 2)
     with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
-        assert not fairseq_patches.groups_updates(trainer)
-        assert not fairseq_patches.groups_updates(trainer)  # the next epoch's iterator
-    said = [r for r in caplog.records if "ls-grouped-shuffling is off for this run" in r.message]
+        assert not fairseq_patches.fixes_batches(trainer)
+        assert not fairseq_patches.fixes_batches(trainer)  # the next epoch's iterator
+    said = [r for r in caplog.records
+            if "ls-fix-batches-to-gpus is off for this run" in r.message]
     assert len(said) == 1
 
 
-def test_grouped_iterator_orders_as_fairseqs_grouped_shuffling():
-    """The grouping patch 7 sets after fairseq builds the iterator is fairseq's own: each epoch's
-    order equals that of an iterator built with --grouped-shuffling (patch 6 included), and a
-    rank keeps the same batches from epoch to epoch."""
+@pytest.mark.parametrize("n_batches", [1, 5, 14, 31])
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_fixed_batches_order_as_fairseqs_fix_batches_to_gpus(n_batches, shards):
+    """Patch 7's order is fairseq's own under --fix-batches-to-gpus, taken from fairseq's
+    prefetching path (the only one where fairseq honours the flag): each rank keeps batches
+    r, r + N, ... every epoch, in an order of its own that changes with the epoch; every batch
+    is dealt once, and every rank takes as many steps as ``len(iterator)`` says."""
     from fairseq.data import iterators
 
     fairseq_patches.install()
-    batches = [np.array([i], dtype=np.int64) for i in range(14)]
-    for rank in range(3):
-        late = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, batches, seed=5,
-                                            num_shards=3, shard_id=rank)
-        late.grouped_shuffling = True
-        built = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, batches, seed=5,
-                                             num_shards=3, shard_id=rank, grouped_shuffling=True)
-        kept = None
-        for epoch in (1, 2):
-            order = [list(b) for b in late.ordered_batches(epoch, False, True)]
-            assert order == [list(b) for b in built.ordered_batches(epoch, False, True)]
-            full = sorted(b[0] for b in order[:14 // 3])
-            assert all(b % 3 == rank for b in full)  # the rank-th batch of each group of 3
-            assert kept in (None, full)
-            kept = full
+    batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
+
+    class Prefetching(IndexDataset):
+        supports_prefetch = True
+
+        def prefetch(self, indices):
+            pass
+
+    orders = {}
+    for rank in range(shards):
+        marked = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, batches, seed=5,
+                                              num_shards=shards, shard_id=rank)
+        marked.ls_fix_batches_to_gpus = True
+        fairseqs = iterators.EpochBatchIterator(Prefetching(), lambda x: x, batches, seed=5,
+                                                num_shards=shards, shard_id=rank)
+        for epoch in (1, 2, 3):
+            order = [list(b) for b in marked.ordered_batches(epoch, False, True)]
+            assert order == [list(b) for b in fairseqs.ordered_batches(epoch, True, True)]
+            # the user's own --fix-batches-to-gpus: the same order
+            assert order == [list(b) for b in marked.ordered_batches(epoch, True, True)]
+            assert len(order) == len(marked)
+            orders[rank, epoch] = [b[0] if b else None for b in order]
+            assert sorted(b for b in orders[rank, epoch] if b is not None) == \
+                list(range(rank, n_batches, shards))
+    dealt = sorted(b for (r, e), o in orders.items() if e == 1 for b in o if b is not None)
+    assert dealt == list(range(n_batches))
+    if n_batches >= 14:  # long enough that two shuffles differ
+        assert orders[0, 1] != orders[0, 2]
+        assert [b - 1 for b in orders[1, 1] if b is not None] != \
+            [b for b in orders[0, 1] if b is not None][:len(orders[1, 1])]  # not one shuffle

@@ -89,3 +89,31 @@ def test_sharded_optimizer_step():
         assert b["scaling"] > a["scaling"]  # 1.5 ms of Adam saved against 0.5 ms of copies
     with pytest.raises(SystemExit):
         shard_balance.main(base + ["--optimizer-ms", "1e6"])
+
+
+def test_per_rank_order_keeps_each_ranks_batches_and_pairs_them_at_random():
+    """per_rank (not built): rank r holds batches r, r + N, ... every epoch, each rank's order
+    is its own and changes with the epoch, and an update's batches are not length neighbours;
+    the shorter shards end in dummies."""
+    epochs = [shard_balance.epoch_order(42, 4, e, 1, "per_rank") for e in (1, 2)]
+    for shards in epochs:
+        assert [sorted(b for b in s if b is not None) for s in shards] == \
+            [list(range(r, 42, 4)) for r in range(4)]
+        assert [s[-1] for s in shards][2:] == [None, None]
+    assert epochs[0] != epochs[1]
+    one = epochs[0]
+    assert one[0][:10] != [b - 1 for b in one[1][:10]]  # not shifted copies of one order
+    spreads = [max(u) - min(u) for u in zip(*one) if None not in u]
+    assert max(spreads) > 3  # grouped updates span exactly 3
+
+
+def test_model_orders_on_a_small_corpus():
+    """After epoch 1 per_rank captures far fewer shapes than fairseq's dealing (each rank keeps
+    its batches; only the slack's choice of an earlier shape varies with the order), and it
+    waits for the slowest rank more than grouped does."""
+    rows = shard_balance.main(["--sentences", "6000", "--gpus", "4", "--epochs", "3",
+                               "--orders", "fairseq", "grouped", "per_rank"])
+    by = {(r["order"], r["epoch"]): r for r in rows}
+    for epoch in (2, 3):
+        assert by["per_rank", epoch]["captures"] * 3 < by["fairseq", epoch]["captures"]
+        assert by["per_rank", epoch]["straggler_share"] > by["grouped", epoch]["straggler_share"]

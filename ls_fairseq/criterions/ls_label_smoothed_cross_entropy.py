@@ -133,18 +133,19 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "GPU every update (the deferred overflow check is then off on several GPUs "
                   "too)"},
     )
-    ls_grouped_shuffling: bool = field(
+    ls_fix_batches_to_gpus: bool = field(
         default=False,
-        metadata={"help": "require length-grouped updates (on by default on several GPUs of "
-                  "plain data parallelism): the epoch's batches are shuffled in groups of one "
-                  "per GPU, as fairseq's --grouped-shuffling does, but built once and kept "
-                  "across epochs, so an update's batches are neighbours in length and each GPU "
-                  "keeps its batch shapes (ls_fairseq/fairseq_patches.py, patch 7); with this "
-                  "flag a run where they cannot apply is refused"},
+        metadata={"help": "require batches fixed to GPUs (on by default on several GPUs of "
+                  "plain data parallelism): GPU r keeps batches r, r + N, ... of fairseq's "
+                  "length-ordered batches and shuffles them itself each epoch, fairseq's "
+                  "--fix-batches-to-gpus order, so an update still pairs batches at random as "
+                  "in fairseq's order while each GPU keeps meeting the batch shapes its CUDA "
+                  "graphs hold (ls_fairseq/fairseq_patches.py, patch 7); with this flag a run "
+                  "where they cannot apply is refused"},
     )
-    ls_no_grouped_shuffling: bool = field(
+    ls_no_fix_batches_to_gpus: bool = field(
         default=False,
-        metadata={"help": "turn length-grouped updates off: fairseq's order (each epoch's "
+        metadata={"help": "turn batches fixed to GPUs off: fairseq's order (each epoch's "
                   "shuffled batches dealt to the GPUs in turn)"},
     )
     ls_copy_engine_all_reduce: bool = field(
@@ -206,7 +207,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_cuda_graphs_memory="compact", ls_cuda_graphs_max=256,
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
                  ls_async_stats=False, ls_no_async_stats=False,
-                 ls_grouped_shuffling=False, ls_no_grouped_shuffling=False,
+                 ls_fix_batches_to_gpus=False, ls_no_fix_batches_to_gpus=False,
                  ls_copy_engine_all_reduce=False, ls_no_copy_engine_all_reduce=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
@@ -236,8 +237,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
         self.ls_async_stats = switches.resolve(ls_async_stats, ls_no_async_stats,
                                                "--ls-async-stats")
-        self.ls_grouped_shuffling = switches.resolve(
-            ls_grouped_shuffling, ls_no_grouped_shuffling, "--ls-grouped-shuffling")
+        self.ls_fix_batches_to_gpus = switches.resolve(
+            ls_fix_batches_to_gpus, ls_no_fix_batches_to_gpus, "--ls-fix-batches-to-gpus")
 
     @staticmethod
     def _shape_buckets(task, steps, slack):
