@@ -50,8 +50,8 @@ the docstring of each test file there says).
    epoch's shuffled batches to the GPUs anew, so each GPU keeps meeting batch shapes its CUDA
    graphs have not captured. For ls_ runs (``--criterion ls_label_smoothed_cross_entropy``) on
    several GPUs of plain data parallelism, GPU r keeps batches r, r + N, ... of fairseq's
-   length-ordered batches and shuffles them itself each epoch (seed + epoch + r, the shards
-   that come up short end in fairseq's dummy batch): fairseq's own order under
+   length-ordered batches and shuffles them itself each epoch (seed + epoch + r; a share that
+   comes up short holds one fairseq dummy batch): fairseq's own order under
    ``--fix-batches-to-gpus``, which fairseq honours only for prefetching datasets. An update's
    N batches are then a random pick, one from each GPU's share, as in fairseq's order. Not
    length-grouped updates (fairseq's ``--grouped-shuffling``): their N batches are neighbours in
@@ -177,7 +177,7 @@ def install() -> None:
     _patch_distributed_stats()
     _patch_load_checkpoint()
     _patch_build_generator()
-    _patch_grouped_shuffling()
+    _patch_ordered_batches()
     _patch_train_iterator()
 
 
@@ -302,7 +302,7 @@ def batches_fixed_to_gpus(batches, shards: int, shard_id: int, seed: int):
     return mine
 
 
-def _patch_grouped_shuffling():
+def _patch_ordered_batches():
     from fairseq.data.iterators import EpochBatchIterator
 
     def make(original):
