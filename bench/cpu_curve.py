@@ -44,7 +44,7 @@ def run(a, data, variant, seed):
     os.makedirs(run_dir, exist_ok=True)
     cmd = quality.train_cmd(a, data, variant, seed, run_dir)
     cmd[cmd.index("--log-interval") + 1] = str(a.log_interval)
-    env = dict(os.environ, OMP_NUM_THREADS="1", **quality.VARIANTS[variant].get("env", {}))
+    env, _ = quality.run_envs(a, variant)
     t0 = time.time()
     logs = [open(os.path.join(run_dir, f"rank{r}.log"), "w") for r in range(a.workers)]
     procs = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -103,10 +103,12 @@ def main(argv=None):
         p.error(f"--variants: unknown {unknown}; choose from {sorted(quality.VARIANTS)}")
     if a.workers < 2:
         p.error(f"--workers {a.workers}: at least 2 (one worker has no batch order to compare)")
-    # quality.py's recipe and corpus, on the CPU
-    a.corpus, a.langs, a.model = "synthetic", "en,de", "small"
-    a.lr, a.warmup_updates, a.dropout = 1e-3, 500, 0.1
-    a.gpus, a.ddp_backend, a.update_freq, a.cuda = 1, None, None, False
+    # quality.py's recipe and corpus (its defaults), on the CPU, one process per worker
+    recipe = quality.arg_parser().parse_args([])
+    for key in ("corpus", "langs", "model", "lr", "warmup_updates", "dropout", "ddp_backend",
+                "update_freq"):
+        setattr(a, key, getattr(recipe, key))
+    a.gpus, a.cuda = 1, False
     _, data, _, _ = quality.prepare_corpus(a)
     import concurrent.futures
 

@@ -482,7 +482,8 @@ def prepare_corpus(a):
         return text_dir, e2e.preprocess(text_dir, 8, src, tgt), src, tgt
 
 
-def main(argv=None):
+def arg_parser():
+    """The bench's options; their defaults are the recipe (bench/cpu_curve.py trains it too)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", default="synthetic",
                    help="'synthetic' (bench/learnable_corpus.py) or a directory of tokenised "
@@ -528,6 +529,11 @@ def main(argv=None):
     p.add_argument("--tables-from", metavar="JSON",
                    help="print the tables of a --json file written earlier (its rows and "
                         "variants), without training")
+    return p
+
+
+def main(argv=None):
+    p = arg_parser()
     a = p.parse_args(argv)
     if a.tables_from:
         with open(a.tables_from) as f:

@@ -23,9 +23,9 @@ The cost model, GPU-bound as ls_'s step is (docs/PERFORMANCE.md, "Known limits")
   hidden under the backward.
 * ``--optimizer-ms``: the optimizer step's time per update, the same for every shape (Adam: 2.06
   ms for transformer big on an H100); the token-slot rate covers the rest. With
-  ``--sharded-optimizer GATHER_MS`` (not built) each of N ranks runs 1/N of it, on the shard of
-  the gradients it sums, and the update waits ``GATHER_MS`` more for the parameters it did not
-  update (the copies after the step, not hidden).
+  ``--sharded-optimizer GATHER_MS`` (ls_adam's sharded step) each of N ranks runs 1/N of it, on the
+  shard of the gradients it sums, and the update waits ``GATHER_MS`` more for the parameters it did
+  not update (the copies after the step, not hidden).
 
 ``--shape-policy`` tries designs that are not built (``POLICIES``): the ranks of an update pad
 by different amounts, as each pads to an earlier shape of its own within the slack.
@@ -58,10 +58,11 @@ BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_buck
 
 
 #: the orders ``epoch_order`` deals: fairseq's default, fairseq's --grouped-shuffling (as
-#: ls_fairseq keeps the batches past the last full group), and per_rank (not built): rank r keeps
-#: the frozen batches r, r + N, ... (they span every length) and shuffles them on its own each
-#: epoch, so an update pairs batches at random as fairseq's order does, yet every rank keeps
-#: meeting the same shapes
+#: ls_fairseq keeps the batches past the last full group), and per_rank: rank r keeps the frozen
+#: batches r, r + N, ... (they span every length) and shuffles them on its own each epoch, so an
+#: update pairs batches at random as fairseq's order does, yet every rank keeps meeting the same
+#: shapes. That is ls_'s order on several GPUs (fairseq_patches, patch 7), modelled with numpy's
+#: own seeds and the short shards' dummy batches last
 ORDERS = ("fairseq", "grouped", "per_rank")
 
 
@@ -188,15 +189,16 @@ def main(argv=None):
                          "transformer big, H100, docs/PERFORMANCE.md); 0 folds it into the "
                          "token-slot rate")
     ap.add_argument("--sharded-optimizer", type=float, metavar="GATHER_MS",
-                    help="(not built) on N GPUs each rank steps 1/N of the parameters and then "
-                         "waits GATHER_MS for the rest (the parameter copies not hidden)")
+                    help="(ls_adam's sharded step) on N GPUs each rank steps 1/N of the "
+                         "parameters and then waits GATHER_MS for the rest (the parameter "
+                         "copies not hidden)")
     ap.add_argument("--shape-policy", choices=sorted(POLICIES), default="own",
                     help="how the ranks of an update choose their padded shapes on N GPUs: "
                          + "; ".join(f"{k}: {v}" for k, v in POLICIES.items())
                          + ". Only 'own' is built.")
     ap.add_argument("--orders", nargs="+", choices=ORDERS, default=["fairseq", "grouped"],
                     help="how the epoch's batches reach the ranks: " + "; ".join(ORDERS)
-                         + " (per_rank is not built)")
+                         + " (per_rank: ls_'s batches fixed to GPUs)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)

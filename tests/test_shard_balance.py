@@ -92,9 +92,9 @@ def test_sharded_optimizer_step():
 
 
 def test_per_rank_order_keeps_each_ranks_batches_and_pairs_them_at_random():
-    """per_rank (not built): rank r holds batches r, r + N, ... every epoch, each rank's order
-    is its own and changes with the epoch, and an update's batches are not length neighbours;
-    the shorter shards end in dummies."""
+    """per_rank (ls_'s order, own seeds): rank r holds batches r, r + N, ... every epoch, each
+    rank's order is its own and changes with the epoch, and an update's batches are not length
+    neighbours; the shorter shards end in dummies."""
     epochs = [shard_balance.epoch_order(42, 4, e, 1, "per_rank") for e in (1, 2)]
     for shards in epochs:
         assert [sorted(b for b in s if b is not None) for s in shards] == \
