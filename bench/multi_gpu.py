@@ -222,8 +222,15 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
                BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
     env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log = proc.stdout + proc.stderr
+    # streamed into $OUT while it runs, so a run that the call's time cuts still shows how far
+    # it got; the next run overwrites them
+    streams = [os.path.join(LOG_DIR, f"multi_gpu_current_run.{s}") for s in ("out", "err")]
+    with open(streams[0], "w") as out, open(streams[1], "w") as err:
+        proc = subprocess.run(cmd, stdout=out, stderr=err, text=True, env=env)
+    log = ""
+    for path in streams:
+        with open(path) as f:
+            log += f.read()
     with open(os.path.join(save_dir, "train.log"), "w") as f:
         f.write(log)
     # keep every run's stats lines, stamps and the end of its log with the results (the device
@@ -482,6 +489,9 @@ def main():
                     default="baseline:pytorch_ddp,baseline_nocudnn:pytorch_ddp,ls:pytorch_ddp",
                     help="variant:ddp-backend[:epochs] (bench/e2e.py's variants; epochs overrides "
                          "--scaling-epochs for that variant)")
+    ap.add_argument("--scaling-skip-one-gpu", action="store_true",
+                    help="the scaling runs on N GPUs only (their 1-GPU rows came from an earlier "
+                         "call: no scaling column, but ls_ over fairseq on N GPUs, same call)")
     ap.add_argument("--graphs-check", action="store_true",
                     help="a graphed variant (--graphs-check-variant) under legacy_ddp: N GPUs x "
                          "update-freq 1 vs 1 GPU x update-freq N, dropout 0, on a 4k-pair corpus "
@@ -758,10 +768,11 @@ def ranks_table(name, ranks):
 
 
 def scaling(data, args, on_row=None):
-    """4: each --max-tokens (per GPU, update-freq 1) and --scaling-variants entry on 1 and N GPUs,
-    --scaling-epochs whole epochs each; the rows of scaling_row, in order (on_row(rows) after
-    each run). A variant with single_gpu_as (flags that matter on several GPUs only) runs one GPU
-    as that variant, once per call: the variant itself, listed before or after, reuses the run."""
+    """4: each --max-tokens (per GPU, update-freq 1) and --scaling-variants entry on 1 and N GPUs
+    (N only with --scaling-skip-one-gpu), --scaling-epochs whole epochs each; the rows of
+    scaling_row, in order (on_row(rows) after each run). A variant with single_gpu_as (flags that
+    matter on several GPUs only) runs one GPU as that variant, once per call: the variant itself,
+    listed before or after, reuses the run."""
     rows, single = [], {}  # (variant, backend, max-tokens) -> its 1-GPU row
     for mt in args.max_tokens:
         for spec in args.scaling_variants.split(","):
@@ -769,7 +780,7 @@ def scaling(data, args, on_row=None):
             epochs = int(own[0]) if own else args.scaling_epochs
             base = e2e.VARIANTS[variant].get("single_gpu_as") or variant
             key = (base, backend, mt)
-            for gpus in (1, args.gpus):
+            for gpus in (args.gpus,) if args.scaling_skip_one_gpu else (1, args.gpus):
                 if gpus == 1 and key in single:
                     row = dict(single[key])
                 else:

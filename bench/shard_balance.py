@@ -50,6 +50,7 @@ from shape_buckets import batch_shapes, fairseq_batches  # noqa: E402
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (  # noqa: E402
     LSLabelSmoothedCrossEntropyCriterionConfig as CriterionConfig,
 )
+from ls_fairseq.fairseq_patches import batches_fixed_to_gpus  # noqa: E402
 from ls_fairseq.graphs.shape_buckets import ShapeBuckets, bucket, token_slots  # noqa: E402
 from ls_fairseq.testing.fairseq_helpers import IndexDataset  # noqa: E402
 
@@ -61,8 +62,8 @@ BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_buck
 #: ls_fairseq keeps the batches past the last full group), and per_rank: rank r keeps the frozen
 #: batches r, r + N, ... (they span every length) and shuffles them on its own each epoch, so an
 #: update pairs batches at random as fairseq's order does, yet every rank keeps meeting the same
-#: shapes. That is ls_'s order on several GPUs (fairseq_patches, patch 7), modelled with numpy's
-#: own seeds and the short shards' dummy batches last
+#: shapes. That is ls_'s order on several GPUs (fairseq_patches, patch 7), dealt by the
+#: product's own function
 ORDERS = ("fairseq", "grouped", "per_rank")
 
 
@@ -72,11 +73,10 @@ def epoch_order(n_batches, ranks, epoch, seed, grouped):
     (``--grouped-shuffling``, or ``"grouped"``) the batches after the last full group come last
     instead of being dropped (``fairseq_patches``, patch 6); ``"per_rank"``: ``ORDERS``."""
     if grouped == "per_rank":
-        own = [list(range(r, n_batches, ranks)) for r in range(ranks)]
-        for r, mine in enumerate(own):
-            np.random.default_rng([seed, epoch, r]).shuffle(mine)
-        longest = max(len(mine) for mine in own)
-        return [mine + [None] * (longest - len(mine)) for mine in own]
+        batches = [[i] for i in range(n_batches)]
+        return [[b[0] if b else None
+                 for b in batches_fixed_to_gpus(batches, ranks, rank, seed + epoch + rank)]
+                for rank in range(ranks)]
     grouped = grouped in (True, "grouped")
     batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
     return [[int(b[0]) if len(b) else None

@@ -460,3 +460,47 @@ def test_bad_correctness_flags_are_refused(monkeypatch, capsys, flags, message):
     with pytest.raises(SystemExit):
         multi_gpu.main()
     assert message in capsys.readouterr().err
+
+
+def test_scaling_on_n_gpus_only(fake_runs, monkeypatch, tmp_path):
+    """--scaling-skip-one-gpu: no 1-GPU run, no scaling column, but ls_ over the best baseline
+    on N GPUs (the 1-GPU rows came from an earlier call)."""
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", "--gpus", "2", "--skip-correctness",
+                                      "--scaling-skip-one-gpu", "--json", str(tmp_path / "mg.json"),
+                                      "--markdown", str(tmp_path / "mg.md"), "--scaling-variants",
+                                      "baseline:pytorch_ddp,baseline_nocudnn:pytorch_ddp,"
+                                      "ls:pytorch_ddp"])
+    multi_gpu.main()
+    assert [(c[0], c[2]) for c in fake_runs] == [("baseline", 2), ("baseline_nocudnn", 2),
+                                                 ("ls", 2)]
+    rows = json.loads((tmp_path / "mg.json").read_text())["scaling"]["rows"]
+    assert [r["gpus"] for r in rows] == [2, 2, 2]
+    assert all(r["scaling_steady"] is None for r in rows)
+    best = max(("baseline", "baseline_nocudnn"), key=lambda v: _steady(v, 2)[0])
+    assert rows[2]["best_baseline_steady"] == best
+    assert rows[2]["ls_over_best_baseline_steady"] == pytest.approx(
+        _steady("ls", 2)[0] / _steady(best, 2)[0])
+    assert "| 8192 | ls | pytorch_ddp | 2 | 200 | 2 |" in (tmp_path / "mg.md").read_text()
+
+
+def test_train_streams_its_log_into_out(monkeypatch, tmp_path):
+    """A run's stdout and stderr go to $OUT while it runs (a run the call's time cuts still
+    shows how far it got); train returns stdout then stderr, and a failed run raises with its
+    log."""
+    script = ("import sys; print('stats line', flush=True); "
+              "print('to stderr', file=sys.stderr); sys.exit(int(sys.argv[1]))")
+    rc = {"value": "0"}
+    monkeypatch.setattr(multi_gpu.e2e, "train_cmd", lambda *a, **k: [
+        sys.executable, "-c", script, rc["value"], "--no-save"])
+    monkeypatch.setattr(multi_gpu, "LOG_DIR", str(tmp_path))
+    save = tmp_path / "run"
+    save.mkdir()
+    log = multi_gpu.train("data", "ls", 8192, 1, 1, None, str(save), ["--no-save"])
+    assert log == "stats line\nto stderr\n"
+    assert (tmp_path / "multi_gpu_current_run.out").read_text() == "stats line\n"
+    assert (tmp_path / "multi_gpu_current_run.err").read_text() == "to stderr\n"
+    assert (save / "train.log").read_text() == log
+    assert "stats line" in (tmp_path / "multi_gpu_runs.log").read_text()
+    rc["value"] = "3"
+    with pytest.raises(RuntimeError, match="to stderr"):
+        multi_gpu.train("data", "ls", 8192, 1, 1, None, str(save), ["--no-save"])

@@ -92,14 +92,16 @@ def test_sharded_optimizer_step():
 
 
 def test_per_rank_order_keeps_each_ranks_batches_and_pairs_them_at_random():
-    """per_rank (ls_'s order, own seeds): rank r holds batches r, r + N, ... every epoch, each
-    rank's order is its own and changes with the epoch, and an update's batches are not length
-    neighbours; the shorter shards end in dummies."""
+    """per_rank (ls_'s order, patch 7's function): rank r holds batches r, r + N, ... every
+    epoch, each rank's order is its own and changes with the epoch, and an update's batches are
+    not length neighbours; each shorter shard holds one dummy, and every shard has as many
+    steps."""
     epochs = [shard_balance.epoch_order(42, 4, e, 1, "per_rank") for e in (1, 2)]
     for shards in epochs:
         assert [sorted(b for b in s if b is not None) for s in shards] == \
             [list(range(r, 42, 4)) for r in range(4)]
-        assert [s[-1] for s in shards][2:] == [None, None]
+        assert [s.count(None) for s in shards] == [0, 0, 1, 1]
+        assert len({len(s) for s in shards}) == 1
     assert epochs[0] != epochs[1]
     one = epochs[0]
     assert one[0][:10] != [b - 1 for b in one[1][:10]]  # not shifted copies of one order
