@@ -12,6 +12,7 @@ fixed to GPUs) without GPU time; about 0.2 updates a second for 2 workers on 2 c
     python bench/cpu_curve.py --variants baseline,baseline_grouped,ls --max-update 200
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import socket
@@ -34,11 +35,6 @@ def worker_cmds(cmd, workers):
     return [cmd + shared + ["--distributed-rank", str(r)] for r in range(workers)]
 
 
-def train_curve(log_text):
-    """``[[update, loss], ...]`` of fairseq's train_inner lines (loss, not nll_loss)."""
-    return quality.parse_train_log(log_text)["train_curve"]
-
-
 def run(a, data, variant, seed):
     run_dir = os.path.join(a.workdir, "cpu_curves", f"{variant}_s{seed}")
     os.makedirs(run_dir, exist_ok=True)
@@ -53,7 +49,7 @@ def run(a, data, variant, seed):
     for log in logs:
         log.close()
     with open(os.path.join(run_dir, "rank0.log")) as f:
-        curve = train_curve(f.read())
+        curve = quality.parse_train_log(f.read())["train_curve"]
     row = dict(variant=variant, seed=seed, workers=a.workers, train_s=round(time.time() - t0, 1),
                train_curve=curve)
     if any(codes):
@@ -92,7 +88,8 @@ def main(argv=None):
                    help="per worker (2 workers x 2048: quality.py's 4096 tokens per update)")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
-    p.add_argument("--train-sentences", type=int, default=120000,
+    p.add_argument("--train-sentences", type=int,
+                   default=quality.arg_parser().get_default("train_sentences"),
                    help="the synthetic corpus's training pairs (quality.py's default)")
     p.add_argument("--workdir", default="/tmp/ls_quality")
     p.add_argument("--json")
@@ -110,8 +107,6 @@ def main(argv=None):
         setattr(a, key, getattr(recipe, key))
     a.gpus, a.cuda = 1, False
     _, data, _, _ = quality.prepare_corpus(a)
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
         rows = list(pool.map(lambda v: run(a, data, v, a.seed), variants))
     print(table(rows))

@@ -67,22 +67,22 @@ BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_buck
 ORDERS = ("fairseq", "grouped", "per_rank")
 
 
-def epoch_order(n_batches, ranks, epoch, seed, grouped):
-    """Each rank's batch indices of an epoch (None: fairseq's dummy batch), from fairseq's own
-    ``EpochBatchIterator.ordered_batches`` as ls_fairseq runs it: with ``grouped``
-    (``--grouped-shuffling``, or ``"grouped"``) the batches after the last full group come last
-    instead of being dropped (``fairseq_patches``, patch 6); ``"per_rank"``: ``ORDERS``."""
-    if grouped == "per_rank":
+def epoch_order(n_batches, ranks, epoch, seed, order):
+    """Each rank's batch indices of an epoch (None: fairseq's dummy batch) in ``order`` (one of
+    ``ORDERS``): "per_rank" from patch 7's own function; "fairseq" and "grouped" from fairseq's
+    own ``EpochBatchIterator.ordered_batches`` as ls_fairseq runs it, where "grouped"
+    (``--grouped-shuffling``) keeps the batches after the last full group, last in the epoch,
+    instead of dropping them (``fairseq_patches``, patch 6)."""
+    if order == "per_rank":
         batches = [[i] for i in range(n_batches)]
         return [[b[0] if b else None
                  for b in batches_fixed_to_gpus(batches, ranks, rank, seed + epoch + rank)]
                 for rank in range(ranks)]
-    grouped = grouped in (True, "grouped")
     batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
     return [[int(b[0]) if len(b) else None
              for b in iterators.EpochBatchIterator(
                  IndexDataset(), collate_fn=list, batch_sampler=batches, seed=seed,
-                 num_shards=ranks, shard_id=rank, grouped_shuffling=grouped,
+                 num_shards=ranks, shard_id=rank, grouped_shuffling=order == "grouped",
              ).ordered_batches(epoch, fix_batches_to_gpus=False, shuffle=True)]
             for rank in range(ranks)]
 
@@ -130,7 +130,7 @@ def padded_shapes(gpus, batches, policy):
     return shapes
 
 
-def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, policy="own",
+def simulate(raw, ranks, epochs, seed, order, rate_s, capture_s, reduce_s, policy="own",
              optimizer_s=0.0, gather_s=None):
     """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
     share of updates whose ranks ran one shape, the most shapes a rank holds graphs for. One GPU
@@ -143,7 +143,7 @@ def simulate(raw, ranks, epochs, seed, grouped, rate_s, capture_s, reduce_s, pol
     gpus = [Rank(common) for _ in range(ranks)]
     out = []
     for epoch in range(1, epochs + 1):
-        shards = epoch_order(len(raw), ranks, epoch, seed, grouped)
+        shards = epoch_order(len(raw), ranks, epoch, seed, order)
         seconds = straggle = 0.0
         captures = same_shape = 0
         for update in zip(*shards):
@@ -216,7 +216,7 @@ def main(argv=None):
     rate_s = replay_s / slots
     capture_s, reduce_s = a.capture_ms / 1000, a.reduce_ms / 1000
     gather_s = None if a.sharded_optimizer is None else a.sharded_optimizer / 1000
-    one = simulate(raw, 1, a.epochs, a.seed, False, rate_s, capture_s, reduce_s,
+    one = simulate(raw, 1, a.epochs, a.seed, "fairseq", rate_s, capture_s, reduce_s,
                    optimizer_s=optimizer_s)
     rows = []
     print(f"{a.sentences:,} pairs, --max-tokens {a.max_tokens}: {len(raw):,} batches; one GPU "

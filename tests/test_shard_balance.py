@@ -10,14 +10,14 @@ def test_grouped_shuffling_keeps_each_ranks_batches():
     """Grouped: the N batches of an update are neighbours in fairseq's length order, and each
     rank takes the same batches every epoch (only their order changes); the default deals
     batches anew each epoch."""
-    def sets(grouped, epoch):
-        return [set(s) for s in shard_balance.epoch_order(40, 4, epoch, 1, grouped)]
+    def sets(order, epoch):
+        return [set(s) for s in shard_balance.epoch_order(40, 4, epoch, 1, order)]
 
-    assert sets(True, 1) == sets(True, 2) == sets(True, 7)
-    assert sets(False, 1) != sets(False, 2)
-    for update in zip(*shard_balance.epoch_order(40, 4, 1, 1, True)):
+    assert sets("grouped", 1) == sets("grouped", 2) == sets("grouped", 7)
+    assert sets("fairseq", 1) != sets("fairseq", 2)
+    for update in zip(*shard_balance.epoch_order(40, 4, 1, 1, "grouped")):
         assert max(update) - min(update) == 3 and min(update) % 4 == 0
-    last = [shard[-1] for shard in shard_balance.epoch_order(42, 4, 3, 1, True)]
+    last = [shard[-1] for shard in shard_balance.epoch_order(42, 4, 3, 1, "grouped")]
     assert last == [40, 41, None, None]  # the remainder comes last; dummies fill the update
 
 
@@ -26,8 +26,8 @@ def test_model_of_the_step():
     all-reduce; on the benchmark's lengths grouped shuffling captures nothing after epoch 1
     and loses less to the slowest rank than fairseq's default dealing."""
     raw = [(8, 20, 22)] * 16
-    one = shard_balance.simulate(raw, 1, 2, 1, False, 1e-6, 0.1, 0.0)
-    four = shard_balance.simulate(raw, 4, 2, 1, False, 1e-6, 0.1, 0.0)
+    one = shard_balance.simulate(raw, 1, 2, 1, "fairseq", 1e-6, 0.1, 0.0)
+    four = shard_balance.simulate(raw, 4, 2, 1, "fairseq", 1e-6, 0.1, 0.0)
     assert [e["captures"] for e in one] == [1, 0] and [e["captures"] for e in four] == [4, 0]
     assert one[1]["seconds"] / four[1]["seconds"] == pytest.approx(4.0)
     assert four[1]["straggler_s"] == 0.0
@@ -74,9 +74,9 @@ def test_sharded_optimizer_step():
     raw = [(8, 20, 22)] * 16
     rate, opt, gather = 1e-6, 2e-3, 5e-4
     step = shard_balance.token_slots(shard_balance.Rank().buckets.shape_for(raw[0])) * rate
-    one = shard_balance.simulate(raw, 1, 2, 1, False, rate, 0.0, 0.0, optimizer_s=opt)
-    four = shard_balance.simulate(raw, 4, 2, 1, False, rate, 0.0, 0.0, optimizer_s=opt)
-    sharded = shard_balance.simulate(raw, 4, 2, 1, False, rate, 0.0, 0.0, optimizer_s=opt,
+    one = shard_balance.simulate(raw, 1, 2, 1, "fairseq", rate, 0.0, 0.0, optimizer_s=opt)
+    four = shard_balance.simulate(raw, 4, 2, 1, "fairseq", rate, 0.0, 0.0, optimizer_s=opt)
+    sharded = shard_balance.simulate(raw, 4, 2, 1, "fairseq", rate, 0.0, 0.0, optimizer_s=opt,
                                      gather_s=gather)
     assert one[1]["seconds"] == pytest.approx(16 * (step + opt))
     assert four[1]["seconds"] == pytest.approx(4 * (step + opt))
