@@ -138,6 +138,9 @@ VARIANTS["ls_nccl_all_reduce"] = dict(_LS, single_gpu_as="ls",
 for _mb in (12, 50, 100):
     VARIANTS[f"ls_bucket_{_mb}"] = dict(_LS, single_gpu_as="ls",
                                         flags=["--ls-all-reduce-bucket-mb", str(_mb)])
+# several GPUs: an update's batches matched by cost in runs of 16 updates
+# (--ls-cost-matching-window, fairseq_patches, patch 7; same run as ls on one GPU)
+VARIANTS["ls_matched"] = dict(_LS, single_gpu_as="ls", flags=["--ls-cost-matching-window", "16"])
 # several GPUs: the copy-engine all-reduce with its barriers as one kernel over flags in peer
 # memory (LS_FAIRSEQ_PEER_BARRIER=flags) instead of NCCL's one-element all-reduces
 VARIANTS["ls_flag_barrier"] = dict(_LS, single_gpu_as="ls", env={"LS_FAIRSEQ_PEER_BARRIER": "flags"})

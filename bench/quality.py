@@ -32,6 +32,7 @@ ls_eager           ``ls`` + --ls-no-fused-fp16-copy --ls-no-cuda-graphs --ls-no-
 ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference path)
 ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL's all-reduce)
 ls_whole_step      ``ls`` + --ls-no-sharded-optimizer-step (several GPUs: Adam on every GPU)
+ls_matched         ``ls`` + --ls-cost-matching-window 16 (several GPUs: batches matched by cost)
 ls_fp8             ``ls`` + --ls-fp8 (FP8 linear layers; ls_fp8_ffn / ls_fp8_attention: one part)
 =================  ==================  =================================  ==========
 
@@ -100,6 +101,8 @@ VARIANTS["ls_off"] = dict(VARIANTS["ls"], env={"LS_FAIRSEQ_KERNELS": "off"})
 VARIANTS["ls_fairseq_order"] = dict(VARIANTS["ls"], flags=["--ls-no-fix-batches-to-gpus"])
 VARIANTS["ls_grouped"] = dict(VARIANTS["ls"], flags=["--grouped-shuffling"])
 VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
+# ls_matched: ``ls`` with an update's batches matched by cost (--ls-cost-matching-window 16)
+VARIANTS["ls_matched"] = dict(VARIANTS["ls"], flags=["--ls-cost-matching-window", "16"])
 # several GPUs: ``ls`` sums gradients by copy engines (graphs/peer_all_reduce.py); this keeps NCCL's
 VARIANTS["ls_nccl_all_reduce"] = dict(VARIANTS["ls"], flags=["--ls-no-copy-engine-all-reduce"])
 # several GPUs: ``ls`` steps Adam on each GPU's own shards (graphs/sharded_step.py); this steps

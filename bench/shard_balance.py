@@ -63,20 +63,23 @@ BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_buck
 #: batches r, r + N, ... (they span every length) and shuffles them on its own each epoch, so an
 #: update pairs batches at random as fairseq's order does, yet every rank keeps meeting the same
 #: shapes. That is ls_'s order on several GPUs (fairseq_patches, patch 7), dealt by the
-#: product's own function
-ORDERS = ("fairseq", "grouped", "per_rank")
+#: product's own function. ``matched``: per_rank with an update's batches matched by cost
+#: (``--ls-cost-matching-window``, off by default; the window is ``simulate``'s)
+ORDERS = ("fairseq", "grouped", "per_rank", "matched")
 
 
-def epoch_order(n_batches, ranks, epoch, seed, order):
+def epoch_order(n_batches, ranks, epoch, seed, order, costs=None, window=16):
     """Each rank's batch indices of an epoch (None: fairseq's dummy batch) in ``order`` (one of
-    ``ORDERS``): "per_rank" from patch 7's own function; "fairseq" and "grouped" from fairseq's
+    ``ORDERS``): "per_rank" and "matched" (``costs``, one per batch, matched in runs of
+    ``window`` updates) from patch 7's own function; "fairseq" and "grouped" from fairseq's
     own ``EpochBatchIterator.ordered_batches`` as ls_fairseq runs it, where "grouped"
     (``--grouped-shuffling``) keeps the batches after the last full group, last in the epoch,
     instead of dropping them (``fairseq_patches``, patch 6)."""
-    if order == "per_rank":
+    if order in ("per_rank", "matched"):
         batches = [[i] for i in range(n_batches)]
+        matched = dict(costs=costs, window=window) if order == "matched" else {}
         return [[b[0] if b else None
-                 for b in batches_fixed_to_gpus(batches, ranks, rank, seed + epoch + rank)]
+                 for b in batches_fixed_to_gpus(batches, ranks, rank, seed + epoch, **matched)]
                 for rank in range(ranks)]
     batches = [np.array([i], dtype=np.int64) for i in range(n_batches)]
     return [[int(b[0]) if len(b) else None
@@ -85,6 +88,15 @@ def epoch_order(n_batches, ranks, epoch, seed, order):
                  num_shards=ranks, shard_id=rank, grouped_shuffling=order == "grouped",
              ).ordered_batches(epoch, fix_batches_to_gpus=False, shuffle=True)]
             for rank in range(ranks)]
+
+
+def length_correlation(shards, lengths):
+    """The correlation of log longest length between rank 0's and rank 1's batch over an
+    epoch's updates (dummies left out): ~0 when an update pairs batches at random, ~1 for
+    length neighbours."""
+    pairs = [(lengths[a], lengths[b]) for a, b in zip(shards[0], shards[1])
+             if a is not None and b is not None]
+    return float(np.corrcoef(np.log(np.array(pairs, dtype=np.float64)).T)[0, 1])
 
 
 #: ``--shape-policy``: how the ranks of an update choose their padded shapes (N > 1)
@@ -131,19 +143,22 @@ def padded_shapes(gpus, batches, policy):
 
 
 def simulate(raw, ranks, epochs, seed, order, rate_s, capture_s, reduce_s, policy="own",
-             optimizer_s=0.0, gather_s=None):
+             optimizer_s=0.0, gather_s=None, window=16):
     """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
-    share of updates whose ranks ran one shape, the most shapes a rank holds graphs for. One GPU
-    (``ranks`` 1, always ``own``) is the reference; ``policy``: :data:`POLICIES`. Every update
-    costs ``optimizer_s`` more; with ``gather_s`` (a sharded optimizer step, N > 1) each rank
-    runs ``optimizer_s / N`` and waits ``gather_s`` for the others' parameters."""
+    share of updates whose ranks ran one shape, the most shapes a rank holds graphs for, and
+    (N > 1) ``length_correlation``. One GPU (``ranks`` 1, always ``own``) is the reference;
+    ``policy``: :data:`POLICIES`. Every update costs ``optimizer_s`` more; with ``gather_s`` (a
+    sharded optimizer step, N > 1) each rank runs ``optimizer_s / N`` and waits ``gather_s`` for
+    the others' parameters. ``window``: the "matched" order's, which matches the batches' raw
+    token slots (what the data loader knows before padding), as the product does."""
     if ranks == 1:
         policy = "own"
     common = ShapeBuckets(BUCKETS, SLACK) if policy == "shared" else None
     gpus = [Rank(common) for _ in range(ranks)]
     out = []
     for epoch in range(1, epochs + 1):
-        shards = epoch_order(len(raw), ranks, epoch, seed, order)
+        shards = epoch_order(len(raw), ranks, epoch, seed, order,
+                             [float(token_slots(r)) for r in raw], window)
         seconds = straggle = 0.0
         captures = same_shape = 0
         for update in zip(*shards):
@@ -164,6 +179,9 @@ def simulate(raw, ranks, epochs, seed, order, rate_s, capture_s, reduce_s, polic
         out.append(dict(epoch=epoch, seconds=seconds, straggler_s=straggle, captures=captures,
                         updates=updates, same_shape_updates=same_shape / updates,
                         shapes_per_rank=max(len(g.captured) for g in gpus)))
+        if ranks > 1:
+            out[-1]["length_correlation"] = length_correlation(
+                shards, [max(r[1], r[2]) for r in raw])
     return out
 
 
@@ -198,10 +216,15 @@ def main(argv=None):
                          + ". Only 'own' is built.")
     ap.add_argument("--orders", nargs="+", choices=ORDERS, default=["fairseq", "grouped"],
                     help="how the epoch's batches reach the ranks: " + "; ".join(ORDERS)
-                         + " (per_rank: ls_'s batches fixed to GPUs)")
+                         + " (per_rank: ls_'s batches fixed to GPUs; matched: the same "
+                           "with --ls-cost-matching-window)")
+    ap.add_argument("--match-windows", type=int, nargs="+", default=[16],
+                    help="the matched order's windows: each run of W updates is matched")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
+    if min(a.match_windows) < 1:
+        ap.error(f"--match-windows: each window is >= 1 update, got {a.match_windows}")
 
     out, src, tgt = fairseq_batches(a.sentences, a.max_tokens, a.seed)
     raw = batch_shapes(out, src, tgt)
@@ -225,21 +248,26 @@ def main(argv=None):
           + ("" if gather_s is None else
              f", sharded (parameter copies {a.sharded_optimizer:g} ms)") + "\n")
     print("| GPUs | shuffling | epoch | updates | scaling | straggler share | captures | "
-          "updates of one shape | shapes per rank |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "updates of one shape | shapes per rank | length correlation |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    runs = [(order, w) for order in a.orders
+            for w in (a.match_windows if order == "matched" else [None])]
     for n in a.gpus:
-        for order in a.orders:
+        for order, window in runs:
             sim = simulate(raw, n, a.epochs, a.seed, order, rate_s, capture_s, reduce_s,
-                           a.shape_policy, optimizer_s, gather_s)
+                           a.shape_policy, optimizer_s, gather_s, window=window)
             for ref, e in zip(one, sim):
                 row = dict(gpus=n, order=order, grouped_shuffling=order == "grouped", **e,
                            scaling=ref["seconds"] / e["seconds"],
                            straggler_share=e["straggler_s"] / e["seconds"])
+                if window is not None:
+                    row["window"] = window
                 rows.append(row)
-                print(f"| {n} | {order} | {e['epoch']} | "
+                print(f"| {n} | {order}{'' if window is None else f' ({window})'} | "
+                      f"{e['epoch']} | "
                       f"{e['updates']} | {row['scaling']:.2f}x | {row['straggler_share']:.1%} | "
                       f"{e['captures']} | {e['same_shape_updates']:.0%} | "
-                      f"{e['shapes_per_rank']} |")
+                      f"{e['shapes_per_rank']} | {e.get('length_correlation', 0):.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(args=vars(a), batches=len(raw), target_tokens=sum(tgt_tokens),

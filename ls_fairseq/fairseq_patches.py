@@ -56,7 +56,10 @@ the docstring of each test file there says).
    N batches are then a random pick, one from each GPU's share, as in fairseq's order. Not
    length-grouped updates (fairseq's ``--grouped-shuffling``): their N batches are neighbours in
    length, and on a learnable corpus that trains slower for the first ~1,000 updates
-   (docs/QUALITY.md). One log line says so. ``--ls-no-fix-batches-to-gpus``, one GPU, other
+   (docs/QUALITY.md). One log line says so. ``--ls-cost-matching-window W`` (off by default)
+   then matches an update's batches by cost: in each run of W updates GPU r > 0 orders its
+   batches so that its k-th costliest (token slots) meets GPU 0's k-th costliest, which the
+   GPUs would otherwise wait for. ``--ls-no-fix-batches-to-gpus``, one GPU, other
    criterions, model parallelism, prefetching datasets and runs that pass
    ``--grouped-shuffling`` themselves: fairseq's method, unchanged (``--fix-batches-to-gpus``
    passed by the user is the same order).
@@ -288,18 +291,62 @@ def remainder_of_groups(batches, shards: int, shard_id: int):
     return tail[shard_id] if shard_id < left else []
 
 
-def batches_fixed_to_gpus(batches, shards: int, shard_id: int, seed: int):
+def batches_fixed_to_gpus(batches, shards: int, shard_id: int, seed: int, costs=None,
+                          window: int = 0):
     """``shard_id``'s batches of an epoch as fairseq orders them under ``--fix-batches-to-gpus``
     (its prefetching path): every ``shards``-th batch from ``shard_id`` on, ``[]`` (fairseq's
-    dummy batch) where the shard comes up short, shuffled under ``numpy_seed(seed)``."""
+    dummy batch) where the shard comes up short, shuffled under ``numpy_seed(seed + shard_id)``
+    (``seed``: the epoch's). With ``costs`` (one per batch) and ``window`` > 1, the shards'
+    orders are then matched by cost (:func:`match_costs`, ``--ls-cost-matching-window``)."""
+    mine = _shuffled_share(len(batches), shards, shard_id, seed)
+    if costs is not None and window > 1 and shard_id > 0:
+        mine = match_costs(_shuffled_share(len(batches), shards, 0, seed), mine, costs, window)
+    return [[] if i is None else batches[i] for i in mine]
+
+
+def _shuffled_share(n_batches: int, shards: int, shard_id: int, seed: int):
+    """Indices of ``shard_id``'s batches (None: a dummy), shuffled as fairseq does."""
     import numpy as np
     from fairseq.data import data_utils
     from fairseq.data.iterators import ShardedIterator
 
-    mine = list(ShardedIterator(batches, shards, shard_id, fill_value=[]))
-    with data_utils.numpy_seed(seed):
-        np.random.shuffle(mine)
+    mine = list(ShardedIterator(range(n_batches), shards, shard_id, fill_value=None))
+    with data_utils.numpy_seed(seed + shard_id):
+        np.random.shuffle(mine)  # the same permutation fairseq draws for a list of this length
     return mine
+
+
+def match_costs(lead, mine, costs, window: int):
+    """``mine`` (a shard's batch indices; None: a dummy, costing the mean) reordered within each
+    run of ``window`` steps so that its k-th costliest batch of the run meets the k-th costliest
+    of ``lead`` (shard 0's, which keeps its order). A run's batches stay the random pick of the
+    shuffle; an update's batches then cost alike, so its GPUs wait less for the slowest one."""
+    mean = sum(costs) / max(len(costs), 1)
+
+    def cost(b):
+        return mean if b is None else costs[b]
+
+    out = [None] * len(mine)
+    for start in range(0, len(mine), window):
+        steps = sorted(range(start, min(start + window, len(mine))), key=lambda i: cost(lead[i]))
+        for i, b in zip(steps, sorted(mine[start:start + window], key=cost)):
+            out[i] = b
+    return out
+
+
+def batch_costs(dataset, batches):
+    """Each batch's token slots, the cost its GPU pays: sentences × (longest source + longest
+    target) where the dataset has source and target sizes (a language pair), else sentences ×
+    its longest ``num_tokens``."""
+    import numpy as np
+
+    sizes = getattr(dataset, "sizes", None)
+    sizes = None if sizes is None else np.asarray(sizes)
+    if sizes is not None and sizes.ndim == 2:
+        return [float(len(b) * sizes[np.asarray(b)].max(axis=0).sum()) if len(b) else 0.0
+                for b in batches]
+    return [float(len(b) * max(dataset.num_tokens(int(i)) for i in b)) if len(b) else 0.0
+            for b in batches]
 
 
 def _patch_ordered_batches():
@@ -310,8 +357,15 @@ def _patch_ordered_batches():
         def ordered_batches(self, epoch, fix_batches_to_gpus, shuffle):
             if getattr(self, "ls_fix_batches_to_gpus", False) and shuffle \
                     and not self._supports_prefetch:  # patch 7
+                window = getattr(self, "ls_cost_matching_window", 0)
+                costs = None
+                if window > 1:
+                    costs = getattr(self, "_ls_batch_costs", None)
+                    if costs is None:  # the frozen batches never change: once per iterator
+                        costs = self._ls_batch_costs = batch_costs(self.dataset,
+                                                                   self.frozen_batches)
                 return batches_fixed_to_gpus(self.frozen_batches, self.num_shards,
-                                             self.shard_id, self.seed + epoch + self.shard_id)
+                                             self.shard_id, self.seed + epoch, costs, window)
             batches = original(self, epoch, fix_batches_to_gpus, shuffle)
             if not (getattr(self, "grouped_shuffling", False) and shuffle
                     and not fix_batches_to_gpus and not self._supports_prefetch):
@@ -338,15 +392,26 @@ def fixed_batches_train_iterator(original):
     @functools.wraps(original)
     def get_train_iterator(self, *args, **kwargs):
         itr = original(self, *args, **kwargs)
-        if fixes_batches(self):
+        window = getattr(getattr(self, "_criterion", None), "ls_cost_matching_window", 0)
+        fixed = fixes_batches(self)
+        if fixed:
             itr.ls_fix_batches_to_gpus = True  # read by each epoch's ordered_batches
-            if not getattr(self, "_ls_fixed_logged", False):
-                self._ls_fixed_logged = True
-                logger.info(
-                    f"batches fixed to GPUs: each of the {self.data_parallel_world_size} GPUs "
-                    f"keeps its share of the batches (one in {self.data_parallel_world_size}) "
-                    f"and shuffles it itself each epoch (fairseq's --fix-batches-to-gpus order); "
-                    f"--ls-no-fix-batches-to-gpus for fairseq's order")
+            itr.ls_cost_matching_window = window
+        if getattr(self, "_ls_fixed_logged", False):
+            return itr
+        self._ls_fixed_logged = True
+        if fixed:
+            workers = self.data_parallel_world_size
+            logger.info(
+                f"batches fixed to GPUs: each of the {workers} GPUs keeps its share of the "
+                f"batches (one in {workers}) and shuffles it itself each epoch (fairseq's "
+                f"--fix-batches-to-gpus order); --ls-no-fix-batches-to-gpus for fairseq's order"
+                + (f"; an update's batches matched by cost in runs of {window} updates "
+                   f"(--ls-cost-matching-window)" if window > 1 else ""))
+        elif window > 1:
+            logger.info(f"--ls-cost-matching-window {window} has no effect on this run: it "
+                        f"orders batches fixed to GPUs, which this run does not use (one GPU, "
+                        f"--ls-no-fix-batches-to-gpus or --grouped-shuffling)")
         return itr
     return get_train_iterator
 

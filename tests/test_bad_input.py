@@ -249,6 +249,10 @@ FLAG_CASES = [
     (["--ls-fix-batches-to-gpus", "--ls-no-fix-batches-to-gpus"],
      "--ls-fix-batches-to-gpus and --ls-no-fix-batches-to-gpus contradict each other: pass one of "
      "them"),
+    (["--ls-cost-matching-window", "-4"], "--ls-cost-matching-window must be >= 0 (0: off), "
+     "got -4"),
+    (["--ls-cost-matching-window", "4.5"],
+     "usage: argument --ls-cost-matching-window: invalid int value: '4.5'"),
     (["--ls-copy-engine-all-reduce", "--ls-no-copy-engine-all-reduce"],
      "--ls-copy-engine-all-reduce and --ls-no-copy-engine-all-reduce contradict each other: "
      "pass one of them"),

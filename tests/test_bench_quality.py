@@ -124,6 +124,9 @@ def test_variant_command_lines():
         flags = quality.VARIANTS[name]["flags"]
         assert cmd[-len(flags):] == flags and flags[0] == "--ls-fp8"
         assert cmd[:-len(flags)] == quality.train_cmd(a, "bin", "ls", 1, "run")
+    matched = quality.train_cmd(a, "bin", "ls_matched", 1, "run")  # several GPUs
+    assert matched == quality.train_cmd(a, "bin", "ls", 1, "run") + [
+        "--ls-cost-matching-window", "16"]
     bf16 = quality.train_cmd(a, "bin", "ls_bf16", 3, "run")
     assert "--bf16" in bf16 and "--fp16" not in bf16 and "--user-dir" in bf16
     assert quality.VARIANTS["ls_off"]["env"] == {"LS_FAIRSEQ_KERNELS": "off"}

@@ -318,7 +318,8 @@ def test_several_workers_fix_batches_to_gpus_by_default(data_bin, tmp_path):
     patch 7): one log line says so; the batches are built once for all epochs; every batch is
     trained on, as many target tokens per epoch as one worker in ceil(batches / 3) updates;
     each worker's share spans the lengths, so an update is not a run of length neighbours;
-    --ls-no-fix-batches-to-gpus gives fairseq's order, whose updates differ."""
+    --ls-no-fix-batches-to-gpus gives fairseq's order, whose updates differ;
+    --ls-cost-matching-window trains on the same batches each epoch, paired otherwise."""
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--no-save",
              "--ddp-backend", "legacy_ddp"]
     more = ["--max-tokens", "300", "--max-epoch", "3", "--disable-validation",
@@ -341,6 +342,11 @@ def test_several_workers_fix_batches_to_gpus_by_default(data_bin, tmp_path):
     assert "batches fixed to GPUs" not in plain
     assert len(WPB.findall(plain)) == len(WPB.findall(fixed)) == 3 * -(-batches // 3)
     assert WPB.findall(plain) != WPB.findall(fixed)
+    # --ls-cost-matching-window: the same batches each epoch, paired by cost
+    matched = _gloo_workers(cmd("--ls-cost-matching-window", "4"), 3)
+    assert matched.count("matched by cost in runs of 4 updates") == 1
+    assert _epoch_totals(matched) == totals
+    assert WPB.findall(matched) != WPB.findall(fixed)
 
 
 def test_fixed_batches_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path):

@@ -232,3 +232,105 @@ def test_fixed_batches_order_as_fairseqs_fix_batches_to_gpus(n_batches, shards):
         assert orders[0, 1] != orders[0, 2]
         assert [b - 1 for b in orders[1, 1] if b is not None] != \
             [b for b in orders[0, 1] if b is not None][:len(orders[1, 1])]  # not one shuffle
+
+
+def _pair_dataset(n_sentences, seed=0):
+    """fairseq's LanguagePairDataset over random lengths (only its sizes are read)."""
+    from fairseq.data import Dictionary, LanguagePairDataset
+
+    rng = np.random.default_rng(seed)
+    src, tgt = rng.integers(1, 60, n_sentences), rng.integers(1, 60, n_sentences)
+    items = [torch.zeros(int(n), dtype=torch.long) for n in src]
+    targets = [torch.zeros(int(n), dtype=torch.long) for n in tgt]
+    return LanguagePairDataset(items, src, Dictionary(), targets, tgt, Dictionary()), src, tgt
+
+
+def test_batch_costs_are_token_slots():
+    """A batch's cost: sentences × (longest source + longest target) of a language pair; a
+    dataset of one size per item: sentences × its longest num_tokens; an empty batch 0."""
+    dataset, src, tgt = _pair_dataset(20)
+    batches = [np.array([0, 3, 7]), np.array([5]), np.array([], dtype=np.int64)]
+    assert fairseq_patches.batch_costs(dataset, batches) == [
+        3 * (max(src[[0, 3, 7]]) + max(tgt[[0, 3, 7]])), src[5] + tgt[5], 0.0]
+
+    class OneSize(IndexDataset):
+        sizes = np.arange(20)
+
+        def num_tokens(self, i):
+            return 2 * i
+
+    assert fairseq_patches.batch_costs(OneSize(), batches[:2]) == [3 * 14, 10]
+
+
+@pytest.mark.parametrize("shards,window", [(2, 4), (3, 5), (4, 16), (4, 3)])
+def test_cost_matching_pairs_the_kth_costliest_of_each_window(shards, window):
+    """--ls-cost-matching-window: GPU 0 keeps the order of batches fixed to GPUs; every other
+    GPU keeps the batches of each run of ``window`` updates and orders them so that its k-th
+    costliest meets GPU 0's k-th costliest (a dummy costs the mean); every batch is dealt once
+    an epoch, the order changes with the epoch, and a window of 1 is no matching."""
+    from fairseq.data import data_utils, iterators
+
+    fairseq_patches.install()
+    dataset, src, tgt = _pair_dataset(700, seed=shards)
+    order = np.lexsort((tgt, src))
+    batches = data_utils.batch_by_size(order, lambda i: max(src[i], tgt[i]), max_tokens=300)
+    costs = fairseq_patches.batch_costs(dataset, batches)
+    mean = sum(costs) / len(costs)
+
+    def cost(b):
+        return mean if not len(b) else costs[[id(x) for x in batches].index(id(b))]
+
+    def key(b):  # a batch's identity (-1: a dummy, a new [] each epoch)
+        return id(b) if len(b) else -1
+
+    def epoch(w, rank, e):
+        itr = iterators.EpochBatchIterator(dataset, lambda x: x, batches, seed=3,
+                                           num_shards=shards, shard_id=rank)
+        itr.ls_fix_batches_to_gpus, itr.ls_cost_matching_window = True, w
+        return itr.ordered_batches(e, False, True)
+
+    for e in (1, 2):
+        plain = [epoch(0, r, e) for r in range(shards)]
+        assert [epoch(1, r, e) for r in range(shards)] == plain
+        matched = [epoch(window, r, e) for r in range(shards)]
+        assert matched[0] == plain[0]
+        assert sorted(id(b) for m in matched for b in m if len(b)) == \
+            sorted(id(b) for b in batches)
+        lead = [cost(b) for b in matched[0]]
+        for mine, theirs in zip(matched[1:], plain[1:]):
+            assert len(mine) == len(theirs)
+            for start in range(0, len(mine), window):
+                run = slice(start, start + window)
+                assert sorted(map(key, mine[run])) == sorted(map(key, theirs[run]))
+                steps = sorted(range(len(lead[run])), key=lambda i: lead[run][i])
+                assert [cost(mine[run][i]) for i in steps] == sorted(map(cost, mine[run]))
+            assert list(map(key, mine)) != list(map(key, theirs))  # the matching moved batches
+    assert list(map(key, epoch(window, 1, 1))) != list(map(key, epoch(window, 1, 2)))
+
+
+@pytest.mark.parametrize("workers,window,fixed_line,no_effect_line", [
+    (2, 16, True, False), (2, 0, False, False), (1, 16, False, True), (1, 1, False, False)])
+def test_train_iterator_passes_the_cost_matching_window(workers, window, fixed_line,
+                                                        no_effect_line, caplog):
+    """Patch 7's wrapper hands --ls-cost-matching-window to the iterator of batches fixed to
+    GPUs and says so in its line; where batches are not fixed (one GPU) a window > 1 gets one
+    line saying it has no effect."""
+    from fairseq.data import iterators
+
+    trainer = _trainer("auto", workers)
+    trainer._criterion.ls_cost_matching_window = window
+
+    def fairseqs(self, epoch, **kwargs):
+        return iterators.EpochBatchIterator(IndexDataset(), lambda x: x, [[0]] * 6,
+                                            num_shards=workers)
+
+    wrapped = fairseq_patches.fixed_batches_train_iterator(fairseqs)
+    with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
+        for epoch in (1, 2):
+            itr = wrapped(trainer, epoch, load_dataset=False)
+            assert getattr(itr, "ls_cost_matching_window", None) == (
+                window if workers > 1 else None)
+    said = [r.message for r in caplog.records]
+    assert sum("matched by cost in runs of 16 updates" in m for m in said) == fixed_line
+    assert sum("--ls-cost-matching-window 16 has no effect" in m for m in said) == \
+        no_effect_line

@@ -119,3 +119,16 @@ def test_model_orders_on_a_small_corpus():
     for epoch in (2, 3):
         assert by["per_rank", epoch]["captures"] * 3 < by["fairseq", epoch]["captures"]
         assert by["per_rank", epoch]["straggler_share"] > by["grouped", epoch]["straggler_share"]
+
+
+def test_matched_order_waits_less_and_correlates_lengths():
+    """In the model, matching costs in windows of 16 updates (--ls-cost-matching-window, patch
+    7's own function) waits less for the slowest rank than per_rank, and its updates pair
+    lengths more alike than per_rank's (less than grouped's)."""
+    rows = shard_balance.main(["--sentences", "40000", "--gpus", "4", "--epochs", "2",
+                               "--orders", "grouped", "per_rank", "matched"])
+    by = {(r["order"], r["epoch"]): r for r in rows}
+    assert by["matched", 2]["straggler_share"] < by["per_rank", 2]["straggler_share"]
+    corr = {o: by[o, 2]["length_correlation"] for o in ("grouped", "per_rank", "matched")}
+    assert abs(corr["per_rank"]) < corr["matched"] < corr["grouped"]
+    assert by["matched", 2]["window"] == 16

@@ -148,6 +148,15 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
         metadata={"help": "turn batches fixed to GPUs off: fairseq's order (each epoch's "
                   "shuffled batches dealt to the GPUs in turn)"},
     )
+    ls_cost_matching_window: int = field(
+        default=0,
+        metadata={"help": "with batches fixed to GPUs: in each run of this many updates, order "
+                  "every GPU's batches so that an update's batches have alike token slots "
+                  "(the first GPU's order kept; the k-th costliest batch of each GPU meet), so "
+                  "the GPUs wait less for the slowest; an update's batches then also tend to "
+                  "be alike in length (ls_fairseq/fairseq_patches.py, patch 7). 0 or 1: off, "
+                  "an update pairs batches at random"},
+    )
     ls_copy_engine_all_reduce: bool = field(
         default=False,
         metadata={"help": "require the copy-engine all-reduce (on by default with "
@@ -208,7 +217,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_shape_buckets=16, ls_shape_bucket_slack=0.2, ls_all_reduce_bucket_mb=25.0,
                  ls_async_stats=False, ls_no_async_stats=False,
                  ls_fix_batches_to_gpus=False, ls_no_fix_batches_to_gpus=False,
-                 ls_copy_engine_all_reduce=False, ls_no_copy_engine_all_reduce=False):
+                 ls_cost_matching_window=0, ls_copy_engine_all_reduce=False,
+                 ls_no_copy_engine_all_reduce=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
@@ -239,6 +249,10 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                                                "--ls-async-stats")
         self.ls_fix_batches_to_gpus = switches.resolve(
             ls_fix_batches_to_gpus, ls_no_fix_batches_to_gpus, "--ls-fix-batches-to-gpus")
+        if ls_cost_matching_window < 0:
+            raise ValueError(f"--ls-cost-matching-window must be >= 0 (0: off), got "
+                             f"{ls_cost_matching_window}")
+        self.ls_cost_matching_window = int(ls_cost_matching_window)
 
     @staticmethod
     def _shape_buckets(task, steps, slack):
