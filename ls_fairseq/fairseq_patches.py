@@ -411,7 +411,7 @@ def fixed_batches_train_iterator(original):
         elif window > 1:
             logger.info(f"--ls-cost-matching-window {window} has no effect on this run: it "
                         f"orders batches fixed to GPUs, which this run does not use (one GPU, "
-                        f"--ls-no-fix-batches-to-gpus or --grouped-shuffling)")
+                        f"model parallelism, --ls-no-fix-batches-to-gpus or --grouped-shuffling)")
         return itr
     return get_train_iterator
 
