@@ -66,9 +66,11 @@ BUCKETS, SLACK = CriterionConfig.ls_shape_buckets, CriterionConfig.ls_shape_buck
 #: product's own function. ``matched``: per_rank with an update's batches matched by cost
 #: (``--ls-cost-matching-window``, off by default; the window is ``simulate``'s)
 ORDERS = ("fairseq", "grouped", "per_rank", "matched")
+#: the matched order's window unless given (``--match-windows``)
+MATCH_WINDOW = 16
 
 
-def epoch_order(n_batches, ranks, epoch, seed, order, costs=None, window=16):
+def epoch_order(n_batches, ranks, epoch, seed, order, costs=None, window=MATCH_WINDOW):
     """Each rank's batch indices of an epoch (None: fairseq's dummy batch) in ``order`` (one of
     ``ORDERS``): "per_rank" and "matched" (``costs``, one per batch, matched in runs of
     ``window`` updates) from patch 7's own function; "fairseq" and "grouped" from fairseq's
@@ -143,7 +145,7 @@ def padded_shapes(gpus, batches, policy):
 
 
 def simulate(raw, ranks, epochs, seed, order, rate_s, capture_s, reduce_s, policy="own",
-             optimizer_s=0.0, gather_s=None, window=16):
+             optimizer_s=0.0, gather_s=None, window=MATCH_WINDOW):
     """Per epoch: seconds, straggler seconds (the wait for the slowest rank), captures, the
     share of updates whose ranks ran one shape, the most shapes a rank holds graphs for, and
     (N > 1) ``length_correlation``. One GPU (``ranks`` 1, always ``own``) is the reference;
@@ -155,10 +157,11 @@ def simulate(raw, ranks, epochs, seed, order, rate_s, capture_s, reduce_s, polic
         policy = "own"
     common = ShapeBuckets(BUCKETS, SLACK) if policy == "shared" else None
     gpus = [Rank(common) for _ in range(ranks)]
+    slots = [float(token_slots(r)) for r in raw]  # what the matched order matches
+    lengths = [max(r[1], r[2]) for r in raw]
     out = []
     for epoch in range(1, epochs + 1):
-        shards = epoch_order(len(raw), ranks, epoch, seed, order,
-                             [float(token_slots(r)) for r in raw], window)
+        shards = epoch_order(len(raw), ranks, epoch, seed, order, slots, window)
         seconds = straggle = 0.0
         captures = same_shape = 0
         for update in zip(*shards):
@@ -180,8 +183,7 @@ def simulate(raw, ranks, epochs, seed, order, rate_s, capture_s, reduce_s, polic
                         updates=updates, same_shape_updates=same_shape / updates,
                         shapes_per_rank=max(len(g.captured) for g in gpus)))
         if ranks > 1:
-            out[-1]["length_correlation"] = length_correlation(
-                shards, [max(r[1], r[2]) for r in raw])
+            out[-1]["length_correlation"] = length_correlation(shards, lengths)
     return out
 
 
@@ -218,7 +220,7 @@ def main(argv=None):
                     help="how the epoch's batches reach the ranks: " + "; ".join(ORDERS)
                          + " (per_rank: ls_'s batches fixed to GPUs; matched: the same "
                            "with --ls-cost-matching-window)")
-    ap.add_argument("--match-windows", type=int, nargs="+", default=[16],
+    ap.add_argument("--match-windows", type=int, nargs="+", default=[MATCH_WINDOW],
                     help="the matched order's windows: each run of W updates is matched")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")

@@ -349,6 +349,14 @@ def batch_costs(dataset, batches):
             for b in batches]
 
 
+def _frozen_batch_costs(itr):
+    """``batch_costs`` of ``itr``'s frozen batches, computed once per iterator (they never
+    change)."""
+    if getattr(itr, "_ls_batch_costs", None) is None:
+        itr._ls_batch_costs = batch_costs(itr.dataset, itr.frozen_batches)
+    return itr._ls_batch_costs
+
+
 def _patch_ordered_batches():
     from fairseq.data.iterators import EpochBatchIterator
 
@@ -358,14 +366,10 @@ def _patch_ordered_batches():
             if getattr(self, "ls_fix_batches_to_gpus", False) and shuffle \
                     and not self._supports_prefetch:  # patch 7
                 window = getattr(self, "ls_cost_matching_window", 0)
-                costs = None
-                if window > 1:
-                    costs = getattr(self, "_ls_batch_costs", None)
-                    if costs is None:  # the frozen batches never change: once per iterator
-                        costs = self._ls_batch_costs = batch_costs(self.dataset,
-                                                                   self.frozen_batches)
                 return batches_fixed_to_gpus(self.frozen_batches, self.num_shards,
-                                             self.shard_id, self.seed + epoch, costs, window)
+                                             self.shard_id, self.seed + epoch,
+                                             _frozen_batch_costs(self) if window > 1 else None,
+                                             window)
             batches = original(self, epoch, fix_batches_to_gpus, shuffle)
             if not (getattr(self, "grouped_shuffling", False) and shuffle
                     and not fix_batches_to_gpus and not self._supports_prefetch):

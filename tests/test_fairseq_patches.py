@@ -277,8 +277,10 @@ def test_cost_matching_pairs_the_kth_costliest_of_each_window(shards, window):
     costs = fairseq_patches.batch_costs(dataset, batches)
     mean = sum(costs) / len(costs)
 
+    index = {id(b): i for i, b in enumerate(batches)}
+
     def cost(b):
-        return mean if not len(b) else costs[[id(x) for x in batches].index(id(b))]
+        return mean if not len(b) else costs[index[id(b)]]
 
     def key(b):  # a batch's identity (-1: a dummy, a new [] each epoch)
         return id(b) if len(b) else -1
