@@ -340,11 +340,13 @@ def batch_costs(dataset, batches):
     its longest ``num_tokens``."""
     import numpy as np
 
+    from .graphs.shape_buckets import token_slots
+
     sizes = getattr(dataset, "sizes", None)
     sizes = None if sizes is None else np.asarray(sizes)
-    if sizes is not None and sizes.ndim == 2:
-        return [float(len(b) * sizes[np.asarray(b)].max(axis=0).sum()) if len(b) else 0.0
-                for b in batches]
+    if sizes is not None and sizes.ndim == 2 and sizes.shape[1] == 2:
+        return [float(token_slots((len(b), *sizes[np.asarray(b)].max(axis=0)))) if len(b)
+                else 0.0 for b in batches]
     return [float(len(b) * max(dataset.num_tokens(int(i)) for i in b)) if len(b) else 0.0
             for b in batches]
 
