@@ -336,7 +336,7 @@ def side_figures(runs, hyps, refs, batch):
     ids = sorted(hyps)
     if ids and all(i in refs for i in ids):
         s = quality.score([hyps[i] for i in ids], [refs[i] for i in ids])
-        out.update(bleu=s["bleu"], length_ratio=s["length_ratio"], loops=s["loops"])
+        out.update(bleu=s["bleu"], length_ratio=s["length_ratio"], degenerate=s["degenerate"])
     return out
 
 

@@ -63,6 +63,12 @@ the docstring of each test file there says).
    criterions, model parallelism, prefetching datasets and runs that pass
    ``--grouped-shuffling`` themselves: fairseq's method, unchanged (``--fix-batches-to-gpus``
    passed by the user is the same order).
+8. ``Trainer.clip_grad_norm`` (the update count after a deferred overflow): with ls_adam's
+   deferred overflow check the trainer counts an update before anyone knows that it overflowed
+   (fairseq does not count such an update: its ``num_updates`` and learning rate stay put). The
+   check is booked during the next update, before this call; here the trainer then takes the
+   skipped updates back (``optimizer.take_skipped_updates()``), before the optimizer step reads
+   the learning rate. Optimizers without the method: fairseq's method, unchanged.
 """
 import functools
 import logging
@@ -92,7 +98,7 @@ def _wrap(cls, name, make_wrapper):
 def _patch_fp16_optimizer():
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-    from .optim.ls_adam import fused_fp16_optimizer_class
+    from .optim.ls_adam import fp16_optimizer_class
 
     original = FP16Optimizer.build_optimizer.__func__  # a classmethod
     if getattr(original, _MARK, False):
@@ -101,7 +107,7 @@ def _patch_fp16_optimizer():
     @functools.wraps(original)
     def build_optimizer(cls, cfg, params, **kwargs):
         if cls is FP16Optimizer:
-            cls = fused_fp16_optimizer_class(cfg) or cls
+            cls = fp16_optimizer_class(cfg) or cls
         return original(cls, cfg, params, **kwargs)
 
     setattr(build_optimizer, _MARK, True)
@@ -182,6 +188,7 @@ def install() -> None:
     _patch_build_generator()
     _patch_ordered_batches()
     _patch_train_iterator()
+    _patch_clip_grad_norm()
 
 
 # ---- 4. Trainer.load_checkpoint -----------------------------------------------------------
@@ -426,3 +433,29 @@ def _patch_train_iterator():
     from fairseq.trainer import Trainer
 
     _wrap(Trainer, "get_train_iterator", fixed_batches_train_iterator)
+
+
+# ---- 8. Trainer.clip_grad_norm ----------------------------------------------------------------
+
+def take_back_skipped_updates(trainer) -> int:
+    """Takes the updates the trainer counted but the optimizer skipped (a deferred fp16
+    overflow) back from ``trainer``'s update count; the learning rate follows. Returns how many."""
+    take = getattr(getattr(trainer, "_optimizer", None), "take_skipped_updates", None)
+    skipped = take() if take is not None else 0
+    if skipped:
+        trainer.set_num_updates(trainer.get_num_updates() - skipped)
+    return skipped
+
+
+def _patch_clip_grad_norm():
+    from fairseq.trainer import Trainer
+
+    def make(original):
+        @functools.wraps(original)
+        def clip_grad_norm(self, clip_norm):
+            norm = original(self, clip_norm)
+            take_back_skipped_updates(self)
+            return norm
+        return clip_grad_norm
+
+    _wrap(Trainer, "clip_grad_norm", make)

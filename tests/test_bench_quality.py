@@ -264,27 +264,35 @@ def test_log_parsing():
            "2026 | INFO | valid | epoch 004 | valid on 'valid' subset | loss 2.04 | nll_loss 0.092"
            " | ppl 1.07 | num_updates 1500\n")
     assert quality.parse_train_log(log) == dict(
-        valid_loss=2.04, valid_nll=0.092, updates=1500, overflows=1,
+        valid_loss=2.04, valid_nll=0.092, updates=1500, overflows=1, loss_scale=None,
         train_curve=[[1400, 2.3]], valid_curve=[[1125, 2.4], [1500, 2.04]])
+    scaled = log.replace("gnorm=0.4", "gnorm=0.4, loss_scale=16") + 'SHADOW_SUMMARY {"updates": 3}\n'
+    parsed = quality.parse_train_log(scaled)
+    assert parsed["loss_scale"] == 16.0 and parsed["shadow"] == {"updates": 3}
     gen = "S-1\ta b\nT-1\tx y\nH-1\t-0.5\tx y z\nD-1\t-0.5\tx y z\nH-0\t-0.1\tq\nT-0\tq\n"
     hyps, refs = quality.parse_generate(gen)
     assert hyps == {1: "x y z", 0: "q"} and refs == {1: "x y", 0: "q"}
 
 
-def test_scores():
-    refs = ["a b c d e f g h", "i j k l m n o p"]
+def test_scores_and_degenerate_hypotheses():
+    refs = ["a b c d e f g h", "i j k l m n o p", "q r s"]
     same = quality.score(refs, refs)
     assert same["bleu"] == pytest.approx(100.0) and same["length_ratio"] == 1.0
-    assert same["loops"] == 0.0
-    long = quality.score([refs[0] + " a b c a b c", refs[1]], refs)
-    assert long["length_ratio"] == pytest.approx(22 / 16) and long["loops"] == 0.5
+    assert same["degenerate"] == 0
+    hyps = [refs[0] + " a b c a b c",          # a 3-gram repeated back to back: degenerate
+            "i j k l m i j k n o p",           # a repeated 3-gram, not back to back: not
+            " ".join(["w%d" % i for i in range(100)])]  # 100 tokens: degenerate
+    long = quality.score(hyps, refs)
+    assert long["length_ratio"] == pytest.approx((14 + 11 + 100) / 19) and long["degenerate"] == 2
     assert long["bleu"] < 100.0
+    assert not quality.degenerate("a b a b c".split())  # a 2-gram loop is below the rule
+    assert quality.degenerate("x a b c a b c".split())
 
 
-def _rows(variant, bleus, ratios):
-    return [dict(variant=variant, seed=i + 1, bleu=b, length_ratio=r, loops=0.0, valid_loss=2.0,
-                 updates=100, overflows=0, train_s=1.0)
-            for i, (b, r) in enumerate(zip(bleus, ratios))]
+def _rows(variant, bleus, ratios, degenerate=None):
+    return [dict(variant=variant, seed=i + 1, bleu=b, length_ratio=r, degenerate=d,
+                 valid_loss=2.0, updates=100, overflows=0, train_s=1.0)
+            for i, (b, r, d) in enumerate(zip(bleus, ratios, degenerate or [10] * len(bleus)))]
 
 
 def test_verdict_against_the_baseline():
@@ -294,7 +302,8 @@ def test_verdict_against_the_baseline():
             + _rows("arch", [91.0, 91.0, 91.0], [1.04, 1.04, 1.04])       # +0.04 length: fails
             + _rows("ls", [91.0, 91.0], [1.0, 1.0])                       # two seeds: fails
             + [dict(variant="ls_off", seed=1, error="fairseq-train exit 1")])
-    s = quality.summarize(rows, ["baseline", "criterion", "optimizer", "arch", "ls", "ls_off"])
+    s = quality.summarize(rows, ["baseline", "criterion", "optimizer", "arch", "ls", "ls_off"],
+                          "synthetic")
     assert s["baseline"]["bleu"] == pytest.approx(91.0) and s["baseline"]["bleu_sd"] == \
         pytest.approx(1.0)
     assert s["criterion"]["d_bleu"] == pytest.approx(0.6) and not s["criterion"]["pass"]
@@ -307,12 +316,40 @@ def test_verdict_against_the_baseline():
     assert "| 91.60 (+0.60) | 0 |" in table
 
 
+def test_real_text_verdict_bands():
+    """The gate's bands (real recipe): BLEU within ±1.0, length ratio within ±0.03, degenerate
+    hypotheses at most 20% above the baseline's mean, and five seeds on both sides."""
+    five = [1.0] * 5
+    rows = (_rows("baseline", [27.0, 27.5, 28.0, 27.0, 28.0], five, [14, 15, 13, 14, 14])
+            + _rows("ls", [26.6, 27.0, 27.4, 26.5, 27.0], [1.02] * 5, [16, 17, 16, 17, 16])
+            + _rows("optimizer", [27.0] * 5, five, [18] * 5)      # 18 > 1.2 x 14: fails
+            + _rows("ls_bf16", [25.0] * 5, five, [14] * 5)        # -2.5 BLEU: fails
+            + _rows("crit_opt", [27.5] * 4, five[:4], [14] * 4))  # four seeds: fails
+    s = quality.summarize(rows, ["baseline", "ls", "optimizer", "ls_bf16", "crit_opt"], "real")
+    assert s["ls"]["pass"] and s["ls"]["d_bleu"] == pytest.approx(-0.6)
+    assert s["ls"]["degenerate"] == pytest.approx(16.4)
+    assert not s["optimizer"]["pass"] and not s["ls_bf16"]["pass"] and not s["crit_opt"]["pass"]
+    assert quality.degenerate_limit(14.0) == pytest.approx(16.8)
+    assert quality.degenerate_limit(0.0) == 1.0
+    assert "| ls | 5 | 26.90 ± 0.36 | 1.020 ± 0.000 | 16.4 ± 0.5 |" in quality.tables(rows, s)
+
+
+def test_recipes_fill_unset_options():
+    real = quality.parse_args([])
+    assert (real.recipe, real.model, real.max_update, real.lr, real.dropout) == \
+        ("real", "base", 3000, 7e-4, 0.3)
+    synthetic = quality.parse_args(["--corpus", "synthetic", "--max-update", "20"])
+    assert (synthetic.recipe, synthetic.model, synthetic.max_update, synthetic.lr) == \
+        ("synthetic", "small", 20, 1e-3)
+    assert quality.parse_args(["--corpus", "/some/dir"]).recipe == "real"
+
+
 def test_medians_and_low_runs_are_reported_beside_the_verdict():
     """One bad run in six moves the mean past the band; the median and the count of low runs
     say so, and the verdict stays the mean's."""
     rows = (_rows("baseline", [99.0, 99.2, 99.4, 99.1, 99.3, 99.2], [1.0] * 6)
             + _rows("ls", [99.1, 99.3, 99.2, 95.0, 99.2, 99.3], [1.0] * 5 + [1.04]))
-    s = quality.summarize(rows, ["baseline", "ls"])
+    s = quality.summarize(rows, ["baseline", "ls"], "synthetic")
     assert s["ls"]["d_bleu"] == pytest.approx(-0.683, abs=1e-3) and not s["ls"]["pass"]
     assert s["ls"]["d_bleu_median"] == pytest.approx(0.0) and s["ls"]["low_runs"] == 1
     assert s["baseline"]["low_runs"] == 0 and quality.median([]) is None
@@ -324,7 +361,7 @@ def test_loss_curves_against_the_baseline(tmp_path, capsys):
     minus the baseline's; updates some run lacks and failed runs are left out. Closed-form
     curves: ls sits 0.1 above at 300 and 0.3 above at 400, so mean +0.2, s.d. 0.1414."""
     def run(variant, seed, curve, **extra):
-        return dict(variant=variant, seed=seed, bleu=90.0, length_ratio=1.0, loops=0.0,
+        return dict(variant=variant, seed=seed, bleu=90.0, length_ratio=1.0, degenerate=0,
                     valid_loss=2.0, updates=500, overflows=0, train_s=1.0, train_curve=curve,
                     **extra)
 
@@ -352,7 +389,8 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
     """fairseq-preprocess, -train and -generate for a fairseq and an ls_ variant (tiny model, a
     few updates: the pipeline, not the quality), then the tables and the JSON."""
     out = tmp_path / "q.json"
-    summary = quality.main(["--train-sentences", "600", "--model", "tiny", "--max-update", "8",
+    summary = quality.main(["--corpus", "synthetic", "--train-sentences", "600", "--model",
+                            "tiny", "--max-update", "8",
                             "--max-tokens", "512", "--warmup-updates", "4", "--variants",
                             "baseline,ls", "--seeds", "1", "--jobs", "2", "--workdir",
                             str(tmp_path / "w"), "--json", str(out), "--markdown",

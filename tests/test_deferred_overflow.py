@@ -21,8 +21,9 @@ from fairseq.logging import metrics
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 
 from fairseq_helpers import fp16_optimizer_cfg, fp16_trainer_run
+from ls_fairseq.fairseq_patches import take_back_skipped_updates
 from ls_fairseq.optim.deferred_overflow import GradNormForTrainer, guarded_factor
-from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
+from ls_fairseq.optim.ls_adam import LSFP16Optimizer, LSFusedFP16Optimizer
 
 SHAPES = [(7,), (33, 5), (1025,), (2, 3, 11)]
 DEFERRED = ["--ls-fused-fp16-copy", "--ls-deferred-overflow-check"]
@@ -133,6 +134,84 @@ def test_on_by_default():
     assert isinstance(opt, LSFusedFP16Optimizer) and not opt._deferred
     _, opt = _build("ls_adam", ["--ls-no-fused-fp16-copy"])
     assert type(opt) is FP16Optimizer
+
+
+class _UpdateCount:
+    """The part of fairseq's Trainer that patch 8 reads and writes: its optimizer and
+    update count."""
+
+    def __init__(self, optimizer):
+        self._optimizer, self.count = optimizer, 0
+
+    def get_num_updates(self):
+        return self.count
+
+    def set_num_updates(self, n):
+        self.count = n
+
+
+def _counted_run(opt, params, steps, overflow_at):
+    """fairseq's trainer around ``opt`` with its update count: +1 after every update whose
+    clip_grad_norm did not raise OverflowError; patch 8's take-back right after clip_grad_norm.
+    Returns the count each step that updated the weights ran at (what sets its learning rate),
+    and the final count."""
+    trainer, counts = _UpdateCount(opt), []
+    g = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        opt.zero_grad()
+        coef = [torch.randn(p.shape, generator=g) * 0.01 for p in params]
+        if step in overflow_at:
+            coef[0].view(-1)[2] = float("inf")
+        opt.backward(sum((p.float() * c).sum() for p, c in zip(params, coef)))
+        opt.multiply_grads(0.5)
+        try:
+            opt.clip_grad_norm(0.0)
+        except OverflowError:
+            continue
+        take_back_skipped_updates(trainer)
+        if step not in overflow_at:  # the deferred check's overflowing steps change nothing
+            counts.append(trainer.get_num_updates())
+        opt.step()
+        trainer.set_num_updates(trainer.get_num_updates() + 1)
+    return counts, trainer.count
+
+
+@pytest.mark.parametrize("overflow_at", [(2,), (3, 4, 9), (0, 1)])
+def test_skipped_updates_are_taken_back_from_the_trainers_count(overflow_at):
+    """fairseq's trainer does not count an update that overflowed. With the deferred check the
+    trainer counts it (nobody knows yet); the next update's booking finds the overflow and
+    patch 8 takes it back before the optimizer step: every real step runs at fairseq's update
+    count (its learning rate), and the count ends where fairseq's does."""
+    extra = ["--fp16-scale-window", "3"]
+    ref_params, ref = _build("adam", extra)
+    params, opt = _build("ls_adam", extra + DEFERRED)
+    ref_counts, ref_total = _counted_run(ref, ref_params, 12, overflow_at)
+    counts, total = _counted_run(opt, params, 12, overflow_at)
+    last_taken_back = 11 not in overflow_at  # an overflow on the last update is booked later
+    assert ref_counts == list(range(12 - len(overflow_at)))
+    assert counts == ref_counts
+    assert total == ref_total if last_taken_back else ref_total + 1
+    assert opt.take_skipped_updates() == 0  # each skipped update taken back once
+
+
+def test_bf16_without_the_fused_copy_trains_as_fairseq():
+    """ls_adam takes fairseq's step-with-scale route; without a loss scaler fairseq's wrapper
+    never resets the gradients' multiply factor, which then shrinks by 1 / sample_size every
+    update until the run stops training and fails (ZeroDivisionError). ls_adam without the
+    fused copy under --bf16 gets LSFP16Optimizer, which resets it: fairseq's adam updates."""
+    ref_params, ref = _build_bf16("adam", [])
+    params, opt = _build_bf16("ls_adam", ["--ls-no-fused-fp16-copy"])
+    assert type(opt) is LSFP16Optimizer and opt.scaler is None
+    for o, ps in ((ref, ref_params), (opt, params)):
+        g = torch.Generator().manual_seed(5)
+        for _ in range(40):
+            o.zero_grad()
+            o.backward(sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in ps))
+            o.multiply_grads(1.0 / 3000)  # 1 / sample_size: 40 updates take 3000^-40 to 0
+            o.clip_grad_norm(0.0)
+            o.step()
+    for a, b in zip(ref.fp32_params, opt.fp32_params):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
 
 
 def _build_bf16(optimizer, extra):

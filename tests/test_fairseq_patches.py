@@ -18,7 +18,7 @@ from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
 PATCHED = [(Trainer, "train_step"), (Trainer, "_aggregate_logging_outputs"),
            (Trainer, "_check_grad_norms"), (Trainer, "load_checkpoint"),
-           (Trainer, "get_train_iterator")]
+           (Trainer, "get_train_iterator"), (Trainer, "clip_grad_norm")]
 
 
 def test_installed_once_and_fairseqs_methods_stay_reachable():

@@ -128,17 +128,17 @@ def _cfg(optimizer="ls_adam", pipeline=False, cpu=False, criterion="ours", **opt
 
 
 def test_fused_copy_is_the_default_for_ls_adam_only():
-    assert ls_adam.fused_fp16_optimizer_class(_cfg()) is ls_adam.LSFusedFP16Optimizer
-    assert ls_adam.fused_fp16_optimizer_class(_cfg(optimizer="adam")) is None
-    assert ls_adam.fused_fp16_optimizer_class(_cfg(ls_no_fused_fp16_copy=True)) is None
+    assert ls_adam.fp16_optimizer_class(_cfg()) is ls_adam.LSFusedFP16Optimizer
+    assert ls_adam.fp16_optimizer_class(_cfg(optimizer="adam")) is None
+    assert ls_adam.fp16_optimizer_class(_cfg(ls_no_fused_fp16_copy=True)) is None
 
 
 def test_fused_copy_steps_aside_or_is_refused_under_pipeline_parallelism(caplog):
     with caplog.at_level("INFO"):
-        assert ls_adam.fused_fp16_optimizer_class(_cfg(pipeline=True)) is None
+        assert ls_adam.fp16_optimizer_class(_cfg(pipeline=True)) is None
     assert len(_off_lines(caplog, "ls-fused-fp16-copy")) == 1
     with pytest.raises(ValueError, match="^--ls-fused-fp16-copy: pipeline"):
-        ls_adam.fused_fp16_optimizer_class(_cfg(pipeline=True, ls_fused_fp16_copy=True))
+        ls_adam.fp16_optimizer_class(_cfg(pipeline=True, ls_fused_fp16_copy=True))
 
 
 def test_deferred_check_default_and_where_it_steps_aside(caplog, monkeypatch):

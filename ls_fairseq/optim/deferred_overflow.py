@@ -21,16 +21,18 @@ option (used by ``ls_adam``'s ``LSFusedFP16Optimizer``):
   loss scale, and every Adam step uses fairseq's step count (bias correction).
 * The trainer receives the norm as :class:`GradNormForTrainer`.
 
-What differs from fairseq, on overflowing updates only: fairseq's trainer does not count them
-(``num_updates`` and the lr schedule stay put) and logs nothing for them; here the trainer cannot
-know in time, so it counts the skipped update, logs its loss, and logs its gnorm as inf (NaN
-where the gradients hold NaNs). That loss is the loss of a batch whose gradients overflowed,
-often far above its neighbours', so the logged curve shows spikes that fairseq's log would not
-(the weights are fairseq's: the update is skipped); ``ls-fairseq-compare`` leaves intervals with
-a non-finite gnorm out of its loss-curve rows (docs/FLAGS.md). The
-logged ``loss_scale`` lags one update, and the minimum-loss-scale error comes one update later.
-With fairseq's dynamic loss scaling overflows are rare after the first updates (the scale doubles
-once per ``--fp16-scale-window`` updates).
+The update count stays fairseq's. The trainer counts an update before anyone knows that it
+overflowed; the booking finds out during the next update, and fairseq's trainer (through
+``fairseq_patches``, patch 8, at its ``clip_grad_norm`` call, before the optimizer step) takes the
+skipped update back (:meth:`LSFusedFP16Optimizer.take_skipped_updates`). So ``num_updates``, the
+learning rate of every step and the data order are fairseq's. What still differs, on overflowing
+updates only: the skipped update's loss is logged (its gnorm as inf, NaN where the gradients hold
+NaNs; fairseq logs nothing for it, and ``ls-fairseq-compare`` leaves such intervals out of its
+loss-curve rows), the batch right after it draws its dropout masks from seed + one more (fairseq
+seeds each update with seed + num_updates, set before the booking), the logged ``loss_scale`` lags
+one update, the minimum-loss-scale error comes one update later, and an overflow on the very last
+update (``--max-update``) ends the run one update short. With fairseq's dynamic loss scaling
+overflows are rare after the first updates.
 
 On several GPUs the option needs the criterion's async stats (on by default,
 ``ls_fairseq.distributed_stats``): fairseq's own check that the workers' grad norms agree treats
@@ -134,11 +136,12 @@ class PendingOverflowCheck:
         self._norm = HostCopy(norm)
         self.states = []
 
-    def book(self, scaler) -> None:
+    def book(self, scaler) -> bool:
         """fairseq's bookkeeping for the update, done now: on overflow, the step counts taken
         back and ``scaler.check_overflow`` (lowers the scale; FloatingPointError at the
         minimum), otherwise ``scaler.update()``. Without a scaler (``--bf16``) a non-finite norm
-        raises fairseq's FloatingPointError (the update itself was skipped on the device)."""
+        raises fairseq's FloatingPointError (the update itself was skipped on the device).
+        Returns whether the update overflowed (it was skipped)."""
         value = float(self._norm.value())
         if scaler is None:
             if not math.isfinite(value):
@@ -148,15 +151,16 @@ class PendingOverflowCheck:
                     f"gradients are Nan/Inf (grad norm {value} at the previous update, which was "
                     f"skipped; found one update late: --ls-deferred-overflow-check, or pass "
                     f"--ls-no-deferred-overflow-check to stop at the update itself)")
-            return
+            return False
         if math.isfinite(value):
             scaler.update()
-            return
+            return False
         for state in self.states:
             state["step"] -= 1
         try:
             scaler.check_overflow(value)
         except OverflowError as e:  # what fairseq's trainer logs, one update late
             logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {e} (found at "
-                        f"the next update: --ls-deferred-overflow-check; the trainer counted "
-                        f"the skipped update and logged its loss, which fairseq would not)")
+                        f"the next update: --ls-deferred-overflow-check; the update is taken "
+                        f"back from the update count, its loss was logged)")
+        return True

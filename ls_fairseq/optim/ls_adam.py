@@ -381,6 +381,22 @@ def _fp32_grad_norm(grads):
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+class LSFP16Optimizer(FP16Optimizer):
+    """fairseq's ``FP16Optimizer`` for ``ls_adam`` without the fused copy under ``--bf16``.
+
+    ``ls_adam`` takes fairseq's step-with-scale route (the gradients' multiply factor is passed
+    to the step instead of multiplied into them first). fairseq's wrapper resets that factor in
+    ``zero_grad`` only when it has a loss scaler, which ``--bf16`` has not: the factor would
+    shrink by 1 / sample_size every update until it is 0, and the run would stop training and
+    then fail with a ZeroDivisionError. Here it is reset to 1 every update, as fairseq's own
+    unscaling does after multiplying it in. Everything else is fairseq's."""
+
+    def zero_grad(self):
+        super().zero_grad()
+        if self.scaler is None:
+            self._multiply_factor = 1.0
+
+
 class LSFusedFP16Optimizer(FP16Optimizer):
     """fairseq's ``FP16Optimizer`` (``--fp16``/``--bf16``) without its per-tensor copy loops.
 
@@ -421,6 +437,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
                 p32.grad = None
         self._deferred = _defers_overflow_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
+        self._skipped_updates = 0  # booked overflows the trainer has not taken back yet
         # the sharded step (graphs/sharded_step.py): None until decided at the first update
         # all-reduced during the backward, then a ShardedStep or False
         self._sharding = None
@@ -517,9 +534,18 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         if pending is None:
             return
         old_scale = self.scaler.loss_scale if self.scaler is not None else None
-        pending.book(self.scaler)  # bf16 (no scaler): raises on a non-finite norm, as fairseq
+        # bf16 (no scaler): raises on a non-finite norm, as fairseq
+        self._skipped_updates += pending.book(self.scaler)
         if self.scaler is not None and self.scaler.loss_scale != old_scale:
             self._multiply_factor *= old_scale / self.scaler.loss_scale  # zero_grad set 1 / old
+
+    def take_skipped_updates(self) -> int:
+        """How many updates the trainer counted that turned out to be skipped (fp16 overflows
+        found one update late by the deferred check), since the last call. fairseq's trainer
+        (``fairseq_patches``, patch 8) takes them back from its update count before the next
+        optimizer step, so the count and the learning rate stay fairseq's."""
+        skipped, self._skipped_updates = self._skipped_updates, 0
+        return skipped
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         """fairseq's clip/overflow check with one host synchronisation instead of five.
@@ -579,6 +605,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self._pending = None  # the loaded state replaces what it would have booked
+        self._skipped_updates = 0
         super().load_state_dict(state_dict, optimizer_overrides)
         if self._sharding:
             self._sharding.stale = False  # the loaded moments are whole on every rank
@@ -615,18 +642,20 @@ def _defers_overflow_check(cfg) -> bool:
     return True
 
 
-def fused_fp16_optimizer_class(cfg):
+def fp16_optimizer_class(cfg):
     """The FP16Optimizer class fairseq's trainer should build for ``cfg`` (``--fp16``/``--bf16``):
-    :class:`LSFusedFP16Optimizer` for ``--optimizer ls_adam`` where the fused copy applies (it is
-    on by default), else None (fairseq's own). Called by ``ls_fairseq.fairseq_patches``."""
+    for ``--optimizer ls_adam``, :class:`LSFusedFP16Optimizer` where the fused copy applies (it is
+    on by default), else :class:`LSFP16Optimizer` under ``--bf16``; None (fairseq's own)
+    otherwise. Called by ``ls_fairseq.fairseq_patches``."""
     opt = getattr(cfg, "optimizer", None)
     if opt is None or getattr(opt, "_name", None) != "ls_adam":
         return None
+    unfused = LSFP16Optimizer if getattr(getattr(cfg, "common", None), "bf16", False) else None
     flag = "--ls-fused-fp16-copy"
     mode = switches.resolve(getattr(opt, "ls_fused_fp16_copy", False),
                             getattr(opt, "ls_no_fused_fp16_copy", False), flag)
     if mode == switches.OFF:
-        return None
+        return unfused
     reason = None
     dist_cfg = getattr(cfg, "distributed_training", None)
     common = getattr(cfg, "common", None)
@@ -637,5 +666,5 @@ def fused_fp16_optimizer_class(cfg):
         reason = "--fp16-adam-stats with a flat fp32 master needs the CUDA kernels"
     if reason is not None:
         switches.refuse_or_step_aside(mode, flag, reason, logger)
-        return None
+        return unfused
     return LSFusedFP16Optimizer
