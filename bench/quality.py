@@ -4,7 +4,7 @@
 Loss curves cannot show a model that translates worse at the same loss (over-long, looping
 outputs); BLEU, the hypothesis/reference length ratio and the count of degenerate hypotheses can.
 This script trains every variant below with real ``fairseq-train`` for a fixed number of updates,
-several seeds each, all runs of a call at once on the one GPU, decodes the test set with
+several seeds each, many runs at a time on the one GPU (``--jobs``), decodes the test set with
 ``fairseq-generate`` (beam search, fairseq's own length limit of 200 tokens, so a looping
 hypothesis counts in full), and reports per run and as mean ± s.d.: sacreBLEU, length ratio,
 degenerate hypotheses (100 tokens or more, or a 3-gram repeated back to back) and the final
@@ -348,7 +348,9 @@ def run_one(a, data, variant, seed, raw_refs, lock, port=None):
     with open(os.path.join(run_dir, "train.log")) as f:
         row.update(parse_train_log(f.read()))
     if rc != 0 or not os.path.exists(os.path.join(run_dir, "checkpoint_best.pt")):
-        row["error"] = f"fairseq-train exit {rc} (see {run_dir}/train.log)"
+        with open(os.path.join(run_dir, "train.log")) as f:
+            tail = " | ".join(f.read().strip().splitlines()[-3:])[-600:]
+        row["error"] = f"fairseq-train exit {rc}: {tail}"
     else:
         t1 = time.time()
         gen = subprocess.run(generate_cmd(a, data, variant, run_dir), capture_output=True,
@@ -358,7 +360,8 @@ def run_one(a, data, variant, seed, raw_refs, lock, port=None):
         hyps, _ = parse_generate(gen.stdout)  # scored against the raw test text (no <unk>)
         row["generate_s"] = round(time.time() - t1, 1)
         if gen.returncode != 0 or not hyps:
-            row["error"] = f"fairseq-generate exit {gen.returncode} (see {run_dir}/generate.txt)"
+            tail = " | ".join(gen.stderr.strip().splitlines()[-3:])[-600:]
+            row["error"] = f"fairseq-generate exit {gen.returncode}: {tail}"
         else:
             ids = sorted(hyps)
             hyp_list, ref_list = [hyps[i] for i in ids], [raw_refs[i] for i in ids]
@@ -584,9 +587,10 @@ def arg_parser():
                    help="real: 0.3; synthetic: 0.1 (deterministic, needs little regularisation)")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--lenpen", type=float, default=1.0)
-    p.add_argument("--jobs", type=int, default=0,
-                   help="runs at a time (0: all at once; with --gpus N, all runs share the "
-                        "same N GPUs)")
+    p.add_argument("--jobs", type=int, default=12,
+                   help="runs at a time on the one GPU (with --gpus N, all runs share the same N "
+                        "GPUs). 25 base-model runs at once exhausted an H200's memory at start "
+                        "and decoding; 12 keep it busy")
     p.add_argument("--gpus", type=int, default=1,
                    help="GPUs per training run, by fairseq's own data parallelism "
                         "(--distributed-world-size N, one process per GPU; decoding stays on "
@@ -682,7 +686,7 @@ def main(argv=None):
               _extension.failure_reason()[-2000:], f"{time.time() - t1:.0f}s", flush=True)
 
     lock = threading.Lock()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs or len(jobs)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
         rows = list(pool.map(lambda j: run_one(a, data, j[0], j[1], raw_refs, lock, j[2]), jobs))
 
     summary = summarize(rows, variants, a.recipe)

@@ -2,12 +2,14 @@
 """A real English→German parallel corpus built from the machine's own gettext catalogs.
 
 Debian packages install their German translations as compiled gettext catalogs
-(``/usr/share/locale/de/LC_MESSAGES/*.mo``): tens of thousands of real message/translation
-pairs (program messages, menu entries, country and language names). Python's ``gettext`` reads
-them, so the quality benchmark gets real text with no download. Real text is what the synthetic
-corpus cannot give: rare words, varied lengths, and models that can learn to loop.
+(``/usr/share/locale/de/LC_MESSAGES/*.mo``): tens of thousands of real message/translation pairs
+(program messages, menu entries, descriptions). Python's ``gettext`` reads them, so the quality
+benchmark gets real text with no download. Real text is what the synthetic corpus cannot give:
+rare words, varied lengths, and models that can learn to loop.
 
-Pairs are lower-cased and split into words and punctuation (word level, for a joined
+The ``iso_*`` catalogs (iso-codes: names of languages, countries, regions and currencies) are
+left out: they are name lists, mostly copied or transliterated, not sentences. Pairs are
+lower-cased and split into words and punctuation (word level, for a joined
 dictionary). Multi-line messages are split into line pairs where both sides have the same
 number of lines. A pair is kept when both sides have 1..``MAX_TOKENS`` tokens and neither is more
 than three times as long as the other (plus three): that drops messages whose translation is a
@@ -28,6 +30,7 @@ import re
 CATALOG_GLOB = "/usr/share/locale/de/LC_MESSAGES/*.mo"
 MAX_TOKENS = 60
 TEST = VALID = 1000
+MIN_TRAIN = 10000  # fewer training pairs than this: the machine lacks the catalogs
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
@@ -55,10 +58,17 @@ def catalog_pairs(path: str):
     return pairs
 
 
+def is_name_list(path: str) -> bool:
+    """The iso-codes catalogs: names, not sentences (module docstring)."""
+    return os.path.basename(path).startswith("iso")
+
+
 def sentence_pairs(files):
     """{source: target} of tokenised, filtered pairs, in catalog order (module docstring)."""
     out = {}
     for path in files:
+        if is_name_list(path):
+            continue
         for src, tgt in catalog_pairs(path):
             lines = zip(src.split("\n"), tgt.split("\n")) if src.count("\n") == tgt.count("\n") \
                 else [(src, tgt)]
@@ -81,11 +91,11 @@ def split(pairs):
 def write_corpus(out_dir: str, pattern: str = CATALOG_GLOB, src="en", tgt="de") -> dict:
     """Writes ``out_dir/{train,valid,test}.{src,tgt}`` and ``corpus.json`` (counts, the catalogs
     read, a digest of the text); returns that description. Raises if too few pairs are found."""
-    files = sorted(glob.glob(pattern))
+    files = sorted(f for f in glob.glob(pattern) if not is_name_list(f))
     pairs = sentence_pairs(files)
-    if len(pairs) < TEST + VALID + 10000:
+    if len(pairs) < TEST + VALID + MIN_TRAIN:
         raise RuntimeError(f"real_corpus: {len(pairs)} sentence pairs from {len(files)} catalogs "
-                           f"matching {pattern}; at least {TEST + VALID + 10000} are needed "
+                           f"matching {pattern}; at least {TEST + VALID + MIN_TRAIN} are needed "
                            f"(install German translations, e.g. Debian's *-l10n or locales)")
     os.makedirs(out_dir, exist_ok=True)
     digest = hashlib.sha256()

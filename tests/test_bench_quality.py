@@ -467,3 +467,115 @@ def test_overlong_examples_are_the_longest_against_their_references():
         {"hypothesis": "x y y y y y", "reference": "x y", "extra_words": 4},
         {"hypothesis": "p q r", "reference": "p q", "extra_words": 1}]
     assert quality.overlong_examples(["a"], ["a b"]) == []  # none longer: none kept
+
+
+# ---- the real-text corpus and the optimizer shadow -------------------------------------------
+
+def _write_catalog(path, messages):
+    """A compiled gettext catalog (.mo) of {msgid: msgstr}, as msgfmt writes it."""
+    import struct
+
+    ids = sorted(messages)
+    keys = b"".join(k.encode() + b"\0" for k in ids)
+    values = b"".join(messages[k].encode() + b"\0" for k in ids)
+    n = len(ids)
+    key_start = 7 * 4 + 16 * n
+    value_start = key_start + len(keys)
+    table, offset = [], 0
+    for k in ids:
+        table.append((len(k.encode()), key_start + offset))
+        offset += len(k.encode()) + 1
+    vtable, offset = [], 0
+    for k in ids:
+        vtable.append((len(messages[k].encode()), value_start + offset))
+        offset += len(messages[k].encode()) + 1
+    out = struct.pack("Iiiiiii", 0x950412de, 0, n, 7 * 4, 7 * 4 + 8 * n, 0, 0)
+    out += b"".join(struct.pack("ii", *e) for e in table + vtable) + keys + values
+    path.write_bytes(out)
+
+
+def test_real_corpus_from_gettext_catalogs(tmp_path, monkeypatch):
+    """Pairs from compiled catalogs: tokenised and lower-cased, accelerators dropped,
+    multi-line messages split where the line counts agree, over-long and badly matched pairs
+    dropped, iso-codes name lists left out, a split by hash (independent of file order), and a
+    clear error when a machine has too few pairs."""
+    import real_corpus
+
+    cats = tmp_path / "cats"
+    cats.mkdir()
+    messages = {f"Cannot open file number {i}": f"Datei Nummer {i} kann nicht geöffnet werden"
+                for i in range(60)}
+    messages.update({"&Open\nSave _As": "Ö&ffnen\nSpeichern _unter",
+                     "word": " ".join(["viele"] * 20),               # 1 vs 20 tokens: dropped
+                     " ".join(["long"] * 61): "lang",                # > 60 tokens: dropped
+                     "": "Content-Type: text/plain; charset=UTF-8\n"})  # the header entry
+    _write_catalog(cats / "app.mo", messages)
+    _write_catalog(cats / "iso_3166-2.mo", {"Lower Saxony": "Niedersachsen"})
+    pairs = real_corpus.sentence_pairs(sorted(cats.glob("*.mo")))
+    assert pairs["cannot open file number 7"] == "datei nummer 7 kann nicht geöffnet werden"
+    assert pairs["open"] == "öffnen" and pairs["save as"] == "speichern unter"
+    assert "word" not in pairs and "lower saxony" not in pairs and len(pairs) == 62
+    monkeypatch.setattr(real_corpus, "TEST", 5)
+    monkeypatch.setattr(real_corpus, "VALID", 5)
+    train, valid, test = real_corpus.split(pairs)
+    assert (len(train), len(valid), len(test)) == (52, 5, 5)
+    assert real_corpus.split(dict(reversed(list(pairs.items())))) == (train, valid, test)
+    with pytest.raises(RuntimeError, match="62 sentence pairs from 1 catalogs"):
+        real_corpus.write_corpus(str(tmp_path / "out"), str(cats / "*.mo"))
+    monkeypatch.setattr(real_corpus, "MIN_TRAIN", 10)
+    info = real_corpus.write_corpus(str(tmp_path / "out"), str(cats / "*.mo"))
+    assert info["pairs"] == {"train": 52, "valid": 5, "test": 5} and info["catalogs"] == 1
+    assert len(_read(tmp_path / "out" / "train.en")) == len(_read(tmp_path / "out" / "train.de"))
+
+
+def _flat_fused_optimizer(monkeypatch):
+    """ls_adam's LSFusedFP16Optimizer with fairseq's flat fp32 master, on the CPU."""
+    import torch
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+    from fairseq_helpers import fp16_optimizer_cfg
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # fairseq keys the flat master
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).half()) for s in [(7,), (33, 5)]]
+    opt = FP16Optimizer.build_optimizer(
+        fp16_optimizer_cfg("ls_adam", ["--fp16-scale-window", "3"]), params)
+    assert torch.is_tensor(opt._master) and opt._deferred
+    return params, opt
+
+
+@pytest.mark.parametrize("planted", [None, "master", "step"])
+def test_adam_shadow_accepts_ls_adam_and_catches_a_wrong_step(monkeypatch, planted):
+    """bench/adam_shadow.py on the CPU (the reference Adam path): ls_adam's steps, overflows
+    included, are fairseq's formula to the float32 spacing; a planted wrong master update or a
+    wrong step count is caught."""
+    import io
+
+    import adam_shadow
+    from fairseq_helpers import fp16_trainer_run
+    from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
+
+    original = LSFusedFP16Optimizer.step
+
+    def step(opt, closure=None, groups=None):
+        out = original(opt, closure, groups)
+        if planted == "master":
+            opt._master.data[3] += 1e-3
+        elif planted == "step":
+            opt.fp32_optimizer.optimizer.state[opt._master]["step"] += 1
+        return out
+
+    params, opt = _flat_fused_optimizer(monkeypatch)
+    out = io.StringIO()
+    shadow = adam_shadow.Shadow(out)
+    monkeypatch.setattr(LSFusedFP16Optimizer, "step", shadow.wrap(step))
+    fp16_trainer_run(opt, params, 8, 1, overflow_at=(3,))
+    s = shadow.summary()
+    assert (s["updates"], s["real_steps"], s["overflows"]) == (8, 7, 1)
+    assert len(out.getvalue().splitlines()) == 8
+    bad = {k: v for k, v in s["bad_updates"].items() if v}
+    if planted is None:
+        assert bad == {} and max(s["worst_ulps"].values()) <= adam_shadow.MAX_ULPS
+    elif planted == "master":
+        assert bad.get("master", 0) >= 6 and bad.get("fp16", 0) >= 6
+    else:
+        assert bad.get("step", 0) >= 6
