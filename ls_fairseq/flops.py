@@ -1,4 +1,5 @@
-"""Model FLOPs of a Transformer training step, and the GPU's dense 16-bit peak (for MFU).
+"""Model FLOPs of a Transformer training step, and the GPU's dense 16-bit peak from the
+vendor's datasheet (for MFU).
 
 What is counted: the matrix multiplies of the model as the paper describes it, for the batch's
 real (non-padding) tokens; every multiply-add is 2 FLOPs, and a training step is 3× the forward
@@ -17,7 +18,8 @@ them either). tests/test_flops.py checks the formula against FlopCounterMode's c
 forward+backward of fairseq's ``transformer`` and of ``ls_transformer``.
 
 MFU = achieved model FLOP/s / (the GPU's dense fp16/bf16 tensor-core peak × GPUs), whatever the
-training precision.
+training precision. The peaks are the vendors' datasheet figures (``DENSE_16BIT_PEAK_TFLOPS``),
+not measured here; on a GPU not in the table the criterion logs ``tflops`` without ``mfu``.
 """
 import functools
 from dataclasses import dataclass
@@ -26,8 +28,8 @@ import torch
 
 from .wrappers import innermost
 
-#: dense (no sparsity) fp16/bf16 tensor-core peaks, TFLOP/s, by a substring of the device name
-#: (first match wins; vendors' data sheets)
+#: the vendors' datasheet peaks, not measured figures: dense (no sparsity) fp16/bf16 tensor-core
+#: TFLOP/s, by a substring of the device name (first match wins)
 DENSE_16BIT_PEAK_TFLOPS = (
     ("H200", 989.4),
     ("H100 PCIe", 756.0),

@@ -1,12 +1,11 @@
 """Logged scalars that reach the host without waiting for the GPU's later work.
 
-fairseq's criterions log CUDA scalars (``loss.data``); the trainer turns them into Python numbers
-in ``_reduce_and_log_stats``, after it has queued the optimizer step, so each ``.item()`` there
-waits for the whole Adam kernel while nothing else is queued: the GPU then idles through the
-trainer's bookkeeping (about 2 ms per update at 8192 tokens on the H100). Here the criterion
-starts a copy of each logged scalar into pinned host memory as soon as the scalar is computed
-and records an event behind it; ``reduce_metrics`` waits for that event only, which the GPU has
-long passed, and sees the same value as a Python number.
+fairseq's criterions log CUDA scalars (``loss.data``); the trainer turns them into Python numbers in
+``_reduce_and_log_stats``, after it has queued the optimizer step, so each ``.item()`` there waits
+for the whole Adam kernel while nothing else is queued: the GPU then idles through the trainer's
+bookkeeping, every update. Here the criterion starts a copy of each logged scalar into pinned host
+memory as soon as the scalar is computed and records an event behind it; ``reduce_metrics`` waits
+for that event only, which the GPU has long passed, and sees the same value as a Python number.
 
 With several GPUs fairseq's trainer exchanges the logged values between ranks before it queues
 anything else. Its fast path (``all_reduce_dict``) turns them into fresh CUDA tensors, which

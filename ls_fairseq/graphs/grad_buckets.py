@@ -2,9 +2,8 @@
 
 Used by ``--ls-cuda-graphs`` on several GPUs (every DDP backend of fairseq), where all
 gradients live in flat per-dtype buffers (``flat_gradients.py``). Without overlap, each
-buffer is divided and all-reduced once the backward is over (``flat_all_reduce.py``): 1.4 ms
-for transformer big's 420 MB of fp16 gradients on 2x H200, added to every update
-(docs/PERFORMANCE.md, "Several GPUs").
+buffer is divided and all-reduced once the backward is over (``flat_all_reduce.py``), and the
+whole all-reduce adds to every update (docs/PERFORMANCE.md, "Several GPUs").
 
 Here the buffers are cut into buckets of about ``bucket_bytes``, in reverse parameter order (the
 order in which the backward completes them, as torch DDP does). A CUDA event marks the point where

@@ -1,7 +1,8 @@
 """The device memory behind ``--ls-cuda-graphs``: one arena for the graphs, no idle eager cache.
 
-Why: on the H100, before this module, the process held 17.1 GB at ``--max-tokens 8192`` with
-``--ls-cuda-graphs`` against 7.3 GB without, and fairseq 20.0 GB. Three things add up:
+Why: with the allocator's default behaviour, a process with ``--ls-cuda-graphs`` held far more
+device memory than the same run without graphs, nearly as much as fairseq (docs/PERFORMANCE.md,
+"Memory"). Three things add up:
 
 * the graphs' private pool is a patchwork. PyTorch's caching allocator ``cudaMalloc``\\ s one
   segment per large request that no free block holds, and segments never merge. A later shape
@@ -15,13 +16,14 @@ Why: on the H100, before this module, the process held 17.1 GB at ``--max-tokens
 What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
 
 * **Arena.** Before the pool's first capture, the pool gets one free segment as large as that
-  capture is expected to need: the warm-up step's footprint, scaled by how many more tokens
-  the shape has, plus 10%. It is allocated and freed in the pool (``torch.cuda.use_mem_pool``),
-  so it stays there, and each capture's tensors split it and coalesce back into it when they are
-  freed: shapes of other sizes reuse the same memory instead of adding segments sized for their
-  own tensors. A capture that needs more gets segments from the allocator as before (only memory
-  is at stake, never correctness). One arena, not grown later: a second segment allocated to
-  extend it would be taken out of the first one's free space instead (best fit).
+  capture is expected to need: the warm-up step's footprint, scaled by how many more tokens the
+  shape has, times ``HEADROOM``. It is allocated and freed in the pool
+  (``torch.cuda.use_mem_pool``), so it stays there, and each capture's tensors split it and coalesce
+  back into it when they are freed: shapes of other sizes reuse the same memory instead of adding
+  segments sized for their own tensors. A capture that needs more gets segments from the allocator
+  as before (only memory is at stake, never correctness). One arena, not grown later: a second
+  segment allocated to extend it would be taken out of the first one's free space instead (best
+  fit).
 * **Release.** The default pool's free cache goes back to the driver (``torch.cuda.empty_cache``)
   right after the warm-up, and after eager computations, at most once every 16 graph steps (a
   release synchronises the device, and the next eager step allocates afresh).
@@ -30,8 +32,7 @@ What ``GraphMemory`` does (``--ls-cuda-graphs-memory compact``, the default):
   a forward without gradients and is captured at once, instead of running an eager step whose
   activations would sit next to the idle pool (that step set the process's peak).
 
-Measured on the H100 (docs/PERFORMANCE.md, "Memory"): 8.4 GB held at 8192 tokens and 12.3 GB at
-16384 (fairseq 20.0 and 26.9 GB; before: 17.1 and 27.4 GB), at the same speed.
+The memory held with and without it, at the same speed: docs/PERFORMANCE.md, "Memory".
 
 ``grow`` keeps the allocator's default behaviour. Without
 ``torch.cuda.MemPool`` and ``torch.cuda.use_mem_pool`` (older torch) there is no arena, only the

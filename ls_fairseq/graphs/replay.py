@@ -1,9 +1,9 @@
 """Training forward and backward replayed as CUDA graphs, one pair per batch shape: the engine
 (``CudaGraphedLoss``).
 
-Why: on the H100 the ls_ model's forward+backward issues ~550 kernels, and issuing them from
-Python takes longer (53 ms at 8192 tokens, ``bench/host_overhead.py``) than the GPU needs to run
-them (30 ms). A replayed CUDA graph issues the same kernels with one call.
+Why: the ls_ model's forward and backward issue hundreds of kernels, and on a fast GPU issuing
+them from Python takes longer than the GPU needs to run them (``bench/host_overhead.py`` measures
+both; docs/PERFORMANCE.md). A replayed CUDA graph issues the same kernels with one call.
 
 How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
 
@@ -21,9 +21,9 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   micro-batches (``--update-freq``) is seen, the graphs that overwrite are dropped and new ones
   add into the accumulators, as they always do under legacy DDP's bucketed all-reduce. Before the
   first capture, one more eager step on the capture stream (gradients dropped, dropout draws
-  undone) sets that stream up (cuBLAS workspace and handles); later shapes capture without it
-  (``bench/capture_cost.py``: a capture then costs 63 instead of 105 ms for transformer big at
-  ~6.7k tokens, against 54 ms for an eager step).
+  undone) sets that stream up (cuBLAS workspace and handles); later shapes capture without it,
+  which makes each capture cheaper (``bench/capture_cost.py`` measures a capture against an eager
+  step).
 * The forward replay returns a loss whose backward (called by fairseq's optimizer wrapper as
   usual, e.g. ``(loss * loss_scale).backward()``) copies the incoming gradient (the loss scale, or
   0 after fairseq's ``loss *= 0`` for dummy batches) into the backward graph and replays it. The
@@ -512,7 +512,7 @@ class CudaGraphedLoss:
         micro-batches has been seen, and not under legacy DDP): the gradients are copied into
         the accumulators and those of parameters without a gradient zeroed, so the replay need
         not zero the flat buffers first nor read them (a copy instead of a zeroing pass and an
-        add: ~0.2 ms of an update at 8192 tokens on the H100)."""
+        add: one pass over the gradients less per update)."""
         buckets = self._buckets
         left = list(buckets.sizes)
         pairs = [[] for _ in left]
@@ -596,14 +596,12 @@ class CudaGraphedLoss:
     def _warm_up(self, model, sample, compute):
         """One eager step on the capture stream, its gradients dropped and its dropout draws
         undone, before the first capture (as torch's make_graphed_callables does): the libraries
-        set up what they keep per stream (cuBLAS workspace and handles) outside a capture. In
-        captures without any warm-up failed in cublasGemmEx
-        (CUBLAS_STATUS_EXECUTION_FAILED) on the H100. Once the stream is set up, shapes capture
-        without it, also at their first sighting (kernels not loaded yet then load during the
-        capture, which CUDA drivers from 12.3 on allow): one run captured 24 shapes
-        (``bench/capture_cost.py``) and fairseq-train's 190 (``bench/e2e.py``) with this one
-        warm-up, another fairseq-train's 211 padded shapes of a 400k-pair corpus, most at
-        their first sighting."""
+        set up what they keep per stream (cuBLAS workspace and handles) outside a capture.
+        Captures without any warm-up failed in cublasGemmEx (CUBLAS_STATUS_EXECUTION_FAILED).
+        Once the stream is set up, shapes capture without it, also at their first sighting
+        (kernels not loaded yet then load during the capture, which CUDA drivers from 12.3 on
+        allow): ``bench/capture_cost.py`` and whole fairseq-train runs (``bench/e2e.py``)
+        capture all their shapes after this one warm-up."""
         rng = torch.cuda.get_rng_state()
         with torch.cuda.stream(self._stream):
             outputs = self._run(model, sample, compute)

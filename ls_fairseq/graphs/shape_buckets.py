@@ -2,7 +2,7 @@
 
 Why: ``--ls-cuda-graphs`` captures one graph pair per batch shape (batch size, source length,
 target length) and replays it at the shape's later sightings. fairseq's batches
-(``--max-tokens``) have many shapes: ``bench/shape_buckets.py`` finds 3,952 in an epoch of a
+(``--max-tokens``) have many shapes: ``bench/shape_buckets.py`` finds thousands in an epoch of a
 WMT14-sized corpus (4.5M pairs) at 8192 tokens, so with at most 256 graphs kept most steps run
 eagerly or pay for a capture (a capture costs more than an eager step).
 
@@ -10,9 +10,10 @@ eagerly or pay for a capture (a capture costs more than an eager step).
 an earlier batch's padded shape when that one holds the batch and costs at most
 ``--ls-shape-bucket-slack`` more token slots than the batch's own shape, otherwise the batch's
 shape rounded up on a grid with ``N`` steps per doubling of each dimension (``bucket``; 16: each
-dimension grows by less than 1/16). On the WMT14-sized corpus that is 264 shapes, 4.9% more token
-slots, and 97% of epoch 1's steps replayed (N 16, slack 0.2). On the H100 the first epoch of a
-400k-pair corpus ran 1.5-1.6x faster than with one graph per batch shape (docs/PERFORMANCE.md).
+dimension grows by less than 1/16). On the WMT14-sized corpus that leaves a few hundred shapes
+at the cost of a few percent more token slots, and nearly every step of epoch 1 replays
+(``bench/shape_buckets.py`` with N 16, slack 0.2); the first epoch then runs faster than with one
+graph per batch shape (docs/PERFORMANCE.md).
 
 The padding keeps every real token's math (``pad_batch``):
 

@@ -3,10 +3,10 @@ shards it sums, then sends its updated fp16 weights to the other ranks.
 
 Why: with the copy-engine all-reduce (``peer_all_reduce.py``) rank ``r`` already holds the summed
 gradients of its shards (phase 3) before it pushes them to every other rank (phase 4), and then
-every rank runs the same Adam over the whole model (2 ms per update for transformer big on an
-H100, at its memory floor). Here phase 4 is dropped, each rank steps 1/N of the model, and the
-updated fp16 weights of its shards travel instead: the same bytes as phase 4, moved after Adam
-instead of under the backward (``docs/PERFORMANCE.md``, "Several GPUs").
+every rank runs the same Adam over the whole model, a step already at its memory-bandwidth floor, so
+only less work per rank makes it cheaper. Here phase 4 is dropped, each rank steps 1/N of the model,
+and the updated fp16 weights of its shards travel instead: the same bytes as phase 4, moved after
+Adam instead of under the backward (``docs/PERFORMANCE.md``, "Several GPUs").
 
 How (``ls_adam``'s ``LSFusedFP16Optimizer`` drives it; ``--ls-sharded-optimizer-step``):
 

@@ -443,8 +443,8 @@ class LSTransformerModel(TransformerModel):
 
     def set_num_updates(self, num_updates):
         """fairseq's hook, calling each submodule's own ``set_num_updates`` once. fairseq's
-        default walks every module, and the encoder then walks its own again: ~1 ms of host
-        time per update in fairseq-train, spent while the GPU waits for the next forward. The
+        default walks every module, and the encoder then walks its own again: host time every
+        update in fairseq-train, spent while the GPU waits for the next forward. The
         hooks that only pass the call on to children (fairseq's defaults) are skipped, since
         the walk reaches those children anyway."""
         for m in self.modules():

@@ -3,12 +3,11 @@
 * ``short`` (``csrc/short_attention.cu``, the default where it applies): for rows of at most
   128 queries and keys, head size 16, 32, 64 or 128, fp16/bf16, sm_80+. One thread block per
   (batch, head) keeps q/k/v in shared memory and the scores, probabilities and gradients in
-  tensor-core (mma.sync) registers; forward and backward are one launch each. Measured on H100
-  (docs/PERFORMANCE.md, "Components"): 1.35-3x less GPU time than ``efficient`` on WMT-like
-  shapes, +8% end-to-end training throughput at 8192 and 65536 tokens, same loss curve. (It is
-  the second design of this backend; the first one kept the scores in shared memory
-  and was no faster than ``efficient``.) Its index math is also emulated lane by lane on the CPU
-  (``scripts/emulate_short_attention.py``).
+  tensor-core (mma.sync) registers; forward and backward are one launch each. Why: on WMT-like
+  shapes it takes less GPU time than ``efficient`` and trains faster end to end, with the same
+  loss curve (docs/PERFORMANCE.md, "Components"). (A first design of this backend kept the scores
+  in shared memory and was no faster than ``efficient``.) Its index math is also emulated lane by
+  lane on the CPU (``scripts/emulate_short_attention.py``).
 * ``efficient``: PyTorch's memory-efficient fused attention kernel (the CUTLASS kernel behind
   ``SDPBackend.EFFICIENT_ATTENTION``), called through ``aten::_efficient_attention_forward`` /
   ``_backward`` so that causal masking (bottom-right aligned, no mask tensor) and key padding (an
@@ -24,14 +23,14 @@
   keys, a streaming kernel beyond).
 
 The default (``LS_FAIRSEQ_ATTENTION=auto``, or ``backend=None``) tries the backends in the order
-short -> efficient -> softmax and takes the first that can run the problem exactly: ``short``
-for rows up to 128, ``efficient`` for longer rows and other head sizes, ``softmax`` for the rest
-(head sizes the fused kernels cannot take, causal masks with more queries than keys, empty
-sequences). Measured on H100 (docs/PERFORMANCE.md, "Attention (issue 4)"): on the strided q/k/v
-the modules produce, ``efficient`` is faster than ``softmax`` in GPU and wall time at every shape
-up to 256 keys, within ~10 % beyond, with O(T) instead of O(T^2) memory and no per-shape
-planning. ``LS_FAIRSEQ_ATTENTION=short|efficient|softmax`` (or the ``backend`` argument) starts
-the same order at that backend: ``efficient`` never picks ``short``, ``softmax`` always runs.
+short -> efficient -> softmax and takes the first that can run the problem exactly: ``short`` for
+rows up to 128, ``efficient`` for longer rows and other head sizes, ``softmax`` for the rest (head
+sizes the fused kernels cannot take, causal masks with more queries than keys, empty sequences).
+Why that order after ``short``: on the strided q/k/v the modules produce, ``efficient`` is faster
+than ``softmax`` on short rows and close on long ones (docs/PERFORMANCE.md, "Components"), with
+O(T) instead of O(T^2) memory and no per-shape planning.
+``LS_FAIRSEQ_ATTENTION=short|efficient|softmax`` (or the ``backend`` argument) starts the same
+order at that backend: ``efficient`` never picks ``short``, ``softmax`` always runs.
 
 For self-attention, ``attention_cuda_packed(qkv [B, T, 3, H, D], ...)`` also writes the gradient
 straight into d(qkv)'s layout (no stack of dq/dk/dv in backward).
@@ -60,14 +59,15 @@ them, and the fakes (meta kernels) of every op, are registered once the extensio
 (``_extension.when_loaded``). The seed and offset of aten's kernel are CPU tensors outside CUDA
 graph capture (GPU tensors inside it): the fakes say CPU.
 
-Host time (CPU stand-ins of the kernels, a loaded 2-core Xeon): forward + backward costs 40-50
-us (short, softmax) and 55-70 us (efficient) more than a ``torch.autograd.Function`` around the
-same kernel calls (80-115 us). ~17 us of it is ``register_autograd``'s forward filling in the
-defaults of a 7-argument schema, a cost quadratic in the number of arguments: the Python ops'
-schemas carry nothing the kernel can derive (the scale, the training flag). The forward alone
-under ``no_grad`` costs about what it costs with the Function. What the kernels take is
-:func:`supports` (the softmax backend runs every such problem); the public module runs the
-reference otherwise.
+Host time: with ``register_autograd`` a forward + backward costs more host time than a
+``torch.autograd.Function`` around the same kernel calls would. Part of it is the registered
+forward filling in the defaults of the op's schema, a cost that grows with the square of the
+number of arguments, so the Python ops' schemas carry nothing the kernel can derive (the scale,
+the training flag). The forward alone under ``no_grad`` costs about what it costs with a
+Function.
+
+What the kernels take is :func:`supports` (the softmax backend runs every such problem); the
+public module runs the reference otherwise.
 """
 import torch
 
@@ -447,8 +447,8 @@ def _padding_bias(key_padding_mask, heads: int, tq: int, dtype):
     The row stride is rounded up to 16 elements, the alignment the kernel asks for (otherwise SDPA
     would pad it with a copy). The rows are built once per mask tensor and dtype and kept on the
     mask itself (until it is modified in place): one encoder padding mask serves its 6 encoder
-    self-attentions and the decoder's 6 cross-attentions, and each build is 3 launches and
-    ~60 us of host time (measured on an H100)."""
+    self-attentions and the decoder's 6 cross-attentions, and each build costs 3 launches of
+    host time."""
     b, tk = key_padding_mask.shape
     memo = getattr(key_padding_mask, "_ls_padding_bias", None)
     if memo is None or memo[0] != key_padding_mask._version:
