@@ -90,9 +90,9 @@ def report(load=False) -> dict:
         else:
             gpu = f"the just-in-time build: {why}"
         why = f"no CUDA device. On a GPU: {gpu}"
-    out["choice"] = {"build": build, "why": why}
+    out["choice"] = {"build": build, "why": why}  # under LS_FAIRSEQ_KERNELS=off: what it would be
     out["ops"] = defined_ops(directory) if directory else []
-    if count and (use or load):
+    if count and ((use and out["mode"] != "off") or load):
         ok = _extension.load()
         out["loaded"] = ok
         out["origin"] = _extension.origin()
@@ -136,7 +136,11 @@ def format_report(r: dict) -> str:
     choice = r["choice"]
     what = {"prebuilt": "the prebuilt module", "just in time": "the just-in-time build",
             "none": "the PyTorch reference path"}[choice["build"]]
-    lines.append(f"this process: {what}: {choice['why']}")
+    if r["mode"] == "off":
+        lines.append(f"this process: the PyTorch reference path (LS_FAIRSEQ_KERNELS=off); without "
+                     f"it: {what}: {choice['why']}")
+    else:
+        lines.append(f"this process: {what}: {choice['why']}")
     ops = r["ops"]
     if "registered" in r:
         origin = r.get("origin", {})

@@ -136,7 +136,8 @@ sys.stderr.write(f"{first:.1f}\n" if first is not None else "none\n")
 t_first=$(node_without_nvcc; train "$OUT/train_prebuilt.log" "$SITE/ls_fairseq")
 grep -q "CUDA kernels prebuilt at install loaded" "$OUT/train_prebuilt.log"; has_prebuilt=$?
 grep -q "just-in-time build" "$OUT/train_prebuilt.log"; has_jit=$?
-check train_prebuilt $(( has_prebuilt != 0 || has_jit == 0 || ${#t_first} == 0 )) "first update after ${t_first:-?} s from process start; prebuilt line: $([ $has_prebuilt = 0 ] && echo yes || echo NO); just-in-time line: $([ $has_jit = 0 ] && echo YES || echo no)"
+[[ "$t_first" =~ ^[0-9] ]]; timed=$?
+check train_prebuilt $(( has_prebuilt != 0 || has_jit == 0 || timed != 0 )) "first update after ${t_first:-?} s from process start; prebuilt line: $([ $has_prebuilt = 0 ] && echo yes || echo NO); just-in-time line: $([ $has_jit = 0 ] && echo YES || echo no)"
 grep -m1 "prebuilt at install\|just-in-time" "$OUT/train_prebuilt.log" | cut -c1-300 | tee -a "$OUT/summary.txt"
 [[ "$t_first" =~ ^[0-9] ]] || tail -30 "$OUT/train_prebuilt.log"
 
@@ -150,8 +151,9 @@ if [ "${CHECK_SKIP_JIT:-0}" != 1 ]; then
   t_jit=$(export TORCH_EXTENSIONS_DIR="$W/tex_jit" LS_FAIRSEQ_KERNELS=require \
                  PYTHONPATH="$REPO${BASE_PYTHONPATH:+:$BASE_PYTHONPATH}"
           train "$OUT/train_jit.log" "$REPO/ls_fairseq")
-  grep -q "using the just-in-time build" "$OUT/train_jit.log"
-  check train_jit $(( $? != 0 || ${#t_jit} == 0 )) "first update after ${t_jit:-?} s from process start (built just in time, empty cache)"
+  grep -q "using the just-in-time build" "$OUT/train_jit.log"; has_jit=$?
+  [[ "$t_jit" =~ ^[0-9] ]]; timed=$?
+  check train_jit $(( has_jit != 0 || timed != 0 )) "first update after ${t_jit:-?} s from process start (built just in time, empty cache)"
   [[ "$t_jit" =~ ^[0-9] ]] || tail -30 "$OUT/train_jit.log"
   say "time to the first update, README command, 1 GPU: prebuilt ${t_first:-?} s, just in time ${t_jit:-?} s"
 fi

@@ -411,6 +411,11 @@ def test_kernels_report_without_a_gpu(monkeypatch, tmp_path, capsys):
     assert "(same as the shipped csrc/)" in text
     assert ("On a GPU: the prebuilt module where its GPU code runs (sm_80 sm_90), else the "
             "just-in-time build") in text
+    monkeypatch.setenv(_extension.ENV_VAR, "off")
+    assert kernels.main([]) == 0
+    assert "this process: the PyTorch reference path (LS_FAIRSEQ_KERNELS=off); without it: " in \
+        capsys.readouterr().out
+    monkeypatch.delenv(_extension.ENV_VAR)
     assert kernels.main(["--load"]) == 1  # nothing to load without a GPU
     capsys.readouterr()
     assert kernels.main(["--json"]) == 0

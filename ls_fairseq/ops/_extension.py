@@ -285,7 +285,7 @@ def prebuilt_choice(record, current, sources_digest=None, flags=None):
                        f"this is torch {current['torch']} (rebuild the wheel with this torch)")
     if record.get("torch_cuda") != current["torch_cuda"]:
         return False, (f"the prebuilt CUDA kernels were built for CUDA {record.get('torch_cuda')}, "
-                       f"this torch uses CUDA {current['torch_cuda']}")
+                       f"this torch uses CUDA {current['torch_cuda'] or 'none (a CPU build)'}")
     if sources_digest is not None and record.get("sources") != sources_digest:
         return False, ("the prebuilt CUDA kernels were built from other sources than this "
                        "package's csrc/ (changed since the install)")
