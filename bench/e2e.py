@@ -279,7 +279,8 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     probes = {}
     if profile_at is not None:
         probes = dict(BENCH_PROFILE_AT=profile_at,
-                      BENCH_PROFILE_OUT=os.path.join(log_dir, f"profile_{variant}_{max_tokens}.json"))
+                      BENCH_PROFILE_OUT=os.path.join(log_dir,
+                                                     f"profile_{variant}_{max_tokens}.json"))
     cmd = train_cmd(data, variant, max_tokens, args.epochs, args.seed,
                     list(args.extra) + list(extra))
     start = time.time()
@@ -485,7 +486,8 @@ def main(argv=None):
     unknown = [v for v in args.variants.split(",") + args.profile_variants.split(",")
                if v and v not in VARIANTS]
     if unknown:
-        ap.error(f"--variants/--profile-variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+        ap.error(f"--variants/--profile-variants: unknown {unknown}; choose from "
+                 f"{sorted(VARIANTS)}")
 
     args.workdir = args.workdir or f"/tmp/ls_bench_e2e_{args.corpus}_{args.sentences}"
     log_dir = args.log_dir or os.path.join(args.workdir, "logs")

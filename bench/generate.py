@@ -30,26 +30,26 @@ converter; ``--data BIN`` then names its binarised data unless it was trained on
 corpus). Otherwise one model per ``--sizes`` entry is trained with the plain ls_ command
 (``ls_transformer`` for base, ``ls_transformer_wmt_en_de_big_t2t``, the repository's recipe, for
 big; shared embeddings, ls_label_smoothed_cross_entropy, ls_adam, ``--fp16`` on a GPU) for
-``--train-updates`` on the learnable corpus (``ls_fairseq.testing.learnable_corpus``) in lines of
-WMT14-like lengths (``bench/e2e.py``'s, mean ~29 tokens), and converted; corpus and checkpoints are cached under
-``--workdir`` (a later call on the same machine reuses them). The model must be trained:
-an untrained one loops to the length limit, so every hypothesis has 200 tokens and the timing
-says nothing about real decoding; the rows' length ratio (~1.0 when trained) shows it.
+``--train-updates`` on the learnable corpus (``ls_fairseq.testing.learnable_corpus``) in lines
+of WMT14-like lengths (``bench/e2e.py``'s, mean ~29 tokens), and converted; corpus and checkpoints
+are cached under ``--workdir`` (a later call on the same machine reuses them). The model must be
+trained: an untrained one loops to the length limit, so every hypothesis has 200 tokens and the
+timing says nothing about real decoding; the rows' length ratio (~1.0 when trained) shows it.
 
 Output: a markdown table (printed, and written with ``--markdown``) and every row as data
 (``--json``, benchlib/results.py's schema: device, date, commit from LS_BENCH_COMMIT or git, the
-exact commands). Each row's JSON
-is printed as ``GENERATE_ROW {...}`` and both files are rewritten as soon as a row is done, so a
-call cut off by its time limit keeps the rows it finished. Under the table, the decoding targets
+exact commands). Each row's JSON is printed as ``GENERATE_ROW {...}`` and both files are
+rewritten as soon as a row is done, so a call cut off by its time limit keeps the rows it
+finished. Under the table, the decoding targets
 (ls_ ≥ 3x fairseq's sentences/s at big, fp16, beam 5, batch 128 and ≥ 2x at batch 1; fp32
 hypotheses identical; fp16 ≥ 99% identical and BLEU within 0.1) are checked for the rows present.
 ``--floor-batch N`` decodes fairseq's side once more at batch N and adds the share of its lines
 that equal its own at the row's batch: in fp16, how closely fairseq agrees with itself.
 
-Examples (one GPU of the H100 class; times are estimates, each with the corpus (~0.5 min) and the training of its
-sizes (~1 min base, ~2 min big) the first time a --workdir sees them, plus the extension's JIT
-build on a fresh machine; each decoding run also spends ~25-35 s starting fairseq and loading
-the model, so a batch-128 row takes ~1.5 minutes):
+Examples (one GPU of the H100 class; times are estimates, each with the corpus (~0.5 min) and the
+training of its sizes (~1 min base, ~2 min big) the first time a --workdir sees them, plus the
+extension's JIT build on a fresh machine; each decoding run also spends ~25-35 s starting fairseq
+and loading the model, so a batch-128 row takes ~1.5 minutes):
 
     # the target rows: big, fp16, beam 5, batch 128 and batch 1 (about 5 minutes)
     python bench/generate.py --sizes big --dtypes fp16 --beams 5 --batches 128,1 \\

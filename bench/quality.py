@@ -20,8 +20,8 @@ Corpora and their recipes (``--corpus``):
   mean count of degenerate hypotheses at most 20% above the baseline's. Models here are not
   converged and can loop, as real models do, which is what the gate is for.
 * ``synthetic`` (a quick smoke test): the learnable corpus's deterministic transduction
-  (``ls_fairseq.testing.learnable_corpus``, ~11k word types a side). Recipe: a 3+3-layer, 256-wide Transformer, 1,500 updates, lr 1e-3,
-  dropout 0.1; converged at BLEU ~99, so it cannot see a model that loops. Band ±0.5 BLEU,
+  (``ls_fairseq.testing.learnable_corpus``, ~11k word types a side). Recipe: a 3+3-layer,
+  256-wide Transformer, 1,500 updates, lr 1e-3, dropout 0.1; converged at BLEU ~99, so it cannot see a model that loops. Band ±0.5 BLEU,
   ±0.03 length, n >= 3.
 * a directory ``DIR/{train,valid,test}.{SRC,TGT}`` of tokenised text: the real recipe.
 

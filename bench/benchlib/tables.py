@@ -1,4 +1,4 @@
-"""docs/PERFORMANCE.md's tables and docs/results/README.md, generated from the files in docs/results.
+"""docs/PERFORMANCE.md's tables and docs/results/README.md, generated from docs/results's files.
 
 Every table of PERFORMANCE.md sits between ``<!-- table: NAME -->`` and ``<!-- /table -->``;
 :func:`render` replaces each block with what ``TABLES[NAME]`` makes of the files now, headed by
@@ -121,7 +121,8 @@ def e2e_learnable(results_dir):
             f"{fmt(r.get('loss_first'), '.2f')} → {fmt(r.get('loss_last'), '.2f')}"])
     return _block(results_dir, [name], [
         "variant", "wps epoch 1", "wps steady (timed intervals, epochs 2–11)", "updates/s",
-        "peak allocated GiB", "peak reserved GiB", "device used GiB", "loss, first → last interval"],
+        "peak allocated GiB", "peak reserved GiB", "device used GiB",
+        "loss, first → last interval"],
         out, ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---"])
 
 
@@ -258,7 +259,8 @@ def multi_gpu_correctness(results_dir):
             out.append([f"`{name}`", str(r["gpus"]), str(r["updates"]),
                         fmt(r.get("fp16_init_scale"), "g") if r.get("fp16_init_scale")
                         else "fairseq's (128)",
-                        f"{fmt(r.get('largest_gap'), '.3f')} ({fmt(r.get('largest_gap_update'), 'd')})",
+                        f"{fmt(r.get('largest_gap'), '.3f')} "
+                        f"({fmt(r.get('largest_gap_update'), 'd')})",
                         fmt(_gap_from(r, 40), ".3f"),
                         "yes" if r.get("resumed_on_1_gpu") else "no", backends])
     return _block(results_dir, names, [

@@ -1,6 +1,6 @@
 """Where each profiled update's time goes after the backward, rank by rank, from the GPU timelines
-the profiler probe (``probes/profile_summary.py``) writes (``BENCH_PROFILE_TIMELINE=1``; ``bench/multi_gpu.py
---profile`` sets it up for every rank).
+the profiler probe (``probes/profile_summary.py``) writes (``BENCH_PROFILE_TIMELINE=1``;
+``bench/multi_gpu.py --profile --profile-timelines`` sets it up for every rank).
 
 For each update (from one ``bench_update_<k>`` range's first GPU activity to the next one's), on
 the stream that runs the update's kernels (the ranges' stream):

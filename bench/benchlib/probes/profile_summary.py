@@ -2,9 +2,9 @@
 
 A probe (``BENCH_PROFILE_AT``: bench/e2e.py ``--profile``, bench/multi_gpu.py ``--profile``):
 wraps ``fairseq.trainer.Trainer.train_step`` in each training process, runs ``torch.profiler``
-over ``steps`` updates starting at update ``at``, and prints/writes a summary: wall time per update, GPU busy time split into GEMM, attention,
-other kernels and memory copies, and idle GPU time (launch gaps, host synchronisation), plus the
-top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of the whole
+over ``steps`` updates starting at update ``at``, and prints/writes a summary: wall time per
+update, GPU busy time split into GEMM, attention, other kernels and memory copies, and idle GPU
+time (launch gaps, host synchronisation), plus the top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of the whole
 training loop (cProfile: which fairseq/ls_fairseq functions take the host's time between the
 GPU's work) and the call sites of every host synchronisation (torch's sync debug mode).
 With ``BENCH_PROFILE_TIMELINE=1`` each process also writes its window's GPU activities (start,
