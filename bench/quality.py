@@ -665,7 +665,7 @@ def main(argv=None):
             corpus_info = json.load(f)
     print(f"corpus ready in {time.time() - t0:.0f}s: {data}", flush=True)
 
-    if any(VARIANTS[v]["arch"].startswith("ls_") for v in variants) and \
+    if a.cuda and any(needs_plugin(v) for v in variants) and \
             os.environ.get("LS_FAIRSEQ_KERNELS", "auto") != "off":
         env.build_extension()  # once, before the runs load it concurrently
 

@@ -55,8 +55,7 @@ def gpu_names():
     """The GPUs' names from nvidia-smi, else from torch in a subprocess (this process holds no
     CUDA context while the runs measure memory), else ["cpu"]."""
     for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                [sys.executable, "-c", "import torch\nfor i in range(torch.cuda.device_count()):"
-                                       " print(torch.cuda.get_device_name(i))"]):
+                probe_cmd("gpu_names")):
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
         except (OSError, subprocess.SubprocessError):
@@ -108,11 +107,8 @@ def build_extension():
     subprocess: this process holds no CUDA context. Prints one line; returns whether it built."""
     import time
 
-    code = ("from ls_fairseq.ops import _extension\n"
-            "print('extension', 'ok' if _extension.load() else 'FAILED: ' + "
-            "_extension.failure_reason()[-2000:])")
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run(probe_cmd("build_extension"), capture_output=True, text=True)
     line = (out.stdout.strip().splitlines() or [out.stderr.strip()[-2000:]])[-1]
     print(line, f"{time.time() - t0:.0f}s", flush=True)
     return line == "extension ok"

@@ -10,9 +10,11 @@ this in every process of the run):
 * ``BENCH_PROFILE_AT=U`` (with ``BENCH_PROFILE_STEPS``, ``BENCH_PROFILE_OUT``,
   ``BENCH_PROFILE_TIMELINE``): a profiler window from update U (``profile_summary``).
 
-The other modules here run as programs: ``generate_probe`` (fairseq-generate recording the
-decoding dtype and peak memory), ``gemm_rate`` (the GPU's fp16 matmul rate), ``adam_shadow``
-(fairseq-train with every ls_adam step checked against fairseq's Adam).
+The other modules here run as programs (``env.probe_cmd``): ``generate_probe`` (fairseq-generate
+recording the decoding dtype and peak memory), ``gemm_rate`` (the GPU's fp16 matmul rate),
+``adam_shadow`` (fairseq-train with every ls_adam step checked against fairseq's Adam),
+``build_extension`` and ``gpu_names`` (in a subprocess: the benchmark's process holds no CUDA
+context).
 """
 import os
 
