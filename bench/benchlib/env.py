@@ -108,7 +108,9 @@ def build_extension():
     import time
 
     t0 = time.time()
-    out = subprocess.run(probe_cmd("build_extension"), capture_output=True, text=True)
+    # this checkout's ls_fairseq, the one the runs load with --user-dir
+    out = subprocess.run(probe_cmd("build_extension"), capture_output=True, text=True,
+                         env=with_path(os.environ, ROOT))
     line = (out.stdout.strip().splitlines() or [out.stderr.strip()[-2000:]])[-1]
     print(line, f"{time.time() - t0:.0f}s", flush=True)
     return line == "extension ok"
