@@ -2,7 +2,8 @@
 """Training curves of several data-parallel workers on the CPU: which batch order trains as
 fairseq's does.
 
-Each variant of ``bench/quality.py`` (its learnable corpus, model and recipe) trains as N gloo
+Each variant of ``bench/quality.py`` (its corpus and recipe: by default the synthetic one, the
+learnable corpus) trains as N gloo
 workers of one fairseq-train run (``--ddp-backend legacy_ddp``: fairseq hands torch DDP a GPU
 id even on the CPU), for ``--max-update`` updates, no validation, no decoding. The table gives
 the training loss at each logged update beside the first variant's. What it is for: the early
@@ -10,18 +11,20 @@ curve of an order of the epoch's batches (fairseq's, ``--grouped-shuffling``, ls
 fixed to GPUs) without GPU time; about 0.2 updates a second for 2 workers on 2 cores.
 
     python bench/cpu_curve.py --variants baseline,baseline_grouped,ls --max-update 200
+
+``--json`` writes benchlib/results.py's schema, a row per run with its curve.
 """
 import argparse
 import concurrent.futures
-import json
 import os
+import platform
 import socket
 import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import quality  # noqa: E402
+import quality
+from benchlib import results
 
 
 def worker_cmds(cmd, workers):
@@ -88,6 +91,11 @@ def main(argv=None):
                    help="per worker (2 workers x 2048: quality.py's 4096 tokens per update)")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--corpus", default="synthetic",
+                   help="bench/quality.py's --corpus, whose recipe the runs train: synthetic "
+                        "(the learnable corpus), real, or a folder of tokenised text")
+    p.add_argument("--model", choices=sorted(quality.MODELS),
+                   help="quality.py's model size (default: the --corpus recipe's)")
     p.add_argument("--train-sentences", type=int,
                    default=quality.arg_parser().get_default("train_sentences"),
                    help="the synthetic corpus's training pairs (quality.py's default)")
@@ -100,9 +108,9 @@ def main(argv=None):
         p.error(f"--variants: unknown {unknown}; choose from {sorted(quality.VARIANTS)}")
     if a.workers < 2:
         p.error(f"--workers {a.workers}: at least 2 (one worker has no batch order to compare)")
-    # quality.py's recipe and corpus (its defaults), on the CPU, one process per worker
-    recipe = quality.arg_parser().parse_args([])
-    for key in ("corpus", "langs", "model", "lr", "warmup_updates", "dropout", "ddp_backend",
+    # quality.py's recipe of --corpus, on the CPU, one process per worker
+    recipe = quality.parse_args(["--corpus", a.corpus] + (["--model", a.model] if a.model else []))
+    for key in ("langs", "model", "lr", "warmup_updates", "dropout", "ddp_backend",
                 "update_freq"):
         setattr(a, key, getattr(recipe, key))
     a.gpus, a.cuda = 1, False
@@ -111,11 +119,13 @@ def main(argv=None):
         rows = list(pool.map(lambda v: run(a, data, v, a.seed), variants))
     print(table(rows))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(command="python bench/cpu_curve.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), workers=a.workers,
-                max_tokens=a.max_tokens, max_update=a.max_update, seed=a.seed, rows=rows),
-                f, indent=1)
+        head = results.header(
+            "bench/cpu_curve.py", f"training loss curves of {a.variants} as {a.workers} CPU "
+            f"workers, {a.max_update} updates", "python bench/cpu_curve.py " + " ".join(
+                argv if argv is not None else sys.argv[1:]),
+            device=f"{os.cpu_count()}-core CPU ({platform.machine()})")
+        results.write(a.json, head, rows, workers=a.workers, max_tokens=a.max_tokens,
+                      max_update=a.max_update, seed=a.seed)
     return rows
 
 

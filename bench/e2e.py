@@ -3,40 +3,41 @@
 
 On a GPU machine this script
   1. builds a synthetic corpus shaped like WMT14 en-de after joined BPE (lognormal line
-     lengths, mean ~29 tokens, tail to 250) that a model can learn: lines of
-     ``bench/learnable_corpus.py`` sentences (a deterministic transduction, ~22k joined word
-     types), so every run also shows a falling loss (``--corpus zipf``: random Zipf tokens over a
-     ~32k vocabulary, whose loss stops at the unigram entropy; the corpus of the figures before
-     2026-11-26),
+     lengths, mean ~29 tokens, tail to 250) that a model can learn: lines of the learnable
+     corpus's sentences (``ls_fairseq.testing.learnable_corpus``: a deterministic transduction,
+     ~22k joined word types), so every run also shows a falling loss (``--corpus zipf``: random
+     Zipf tokens over a ~32k vocabulary, whose loss stops at the unigram entropy: the corpus of
+     older figures),
   2. binarises it with fairseq-preprocess,
   3. runs fairseq-train for every variant and --max-tokens, --epochs (2) epochs each: epoch 1
      sees every batch shape for the first time ("unseen shapes"), the last epoch repeats them
      ("steady state"),
-  4. prints a markdown table (wps unseen/steady, updates/s, peak memory, MFU, ls_/baseline ratio)
+  4. prints a markdown table (wps unseen/steady, updates/s, memory, MFU, ls_/baseline ratio)
      and a loss-curve table (each run's interval losses against the first baseline's of its
      --max-tokens, and its largest loss spike: ``ls-fairseq-compare``'s statistics), and writes
-     them, with device, date, commit and command, to --markdown.
+     them with device, date, commit and command to --markdown, the rows to --json
+     (benchlib/results.py's schema).
+
+Memory, per run (GiB): ``peak_gb`` is the **peak allocated** memory (fairseq's own figure,
+``torch.cuda.max_memory_allocated``: total - the smallest ``gb_free`` it logs); ``reserved_gb`` the
+**peak reserved** memory (``torch.cuda.memory_reserved``: allocated plus the allocator's cache
+and the CUDA graphs' pool); ``device_gb`` the peak device memory used (total - free: also the CUDA
+context and the graphs themselves). Reserved and used are sampled every 10th update
+(benchlib/probes/memory.py).
 
 Variants: ``baseline`` (transformer_wmt_en_de_big_t2t, label_smoothed_cross_entropy, adam),
 ``baseline_nocudnn`` (the same with cuDNN SDPA disabled, the best baseline a careful user gets by
-a setting: no per-shape plan cost), ``ls`` (the ls_ twins, with ls_adam's
-``--ls-fused-fp16-copy``), ``ls_graphs`` (``ls`` plus ``--ls-cuda-graphs``: batches are
-padded to bucketed shapes, each captured at its first sighting and replayed from then on),
-``ls_deferred`` (``ls_graphs`` plus ls_adam's ``--ls-deferred-overflow-check``: no update waits
-for the GPU; ``ls_deferred_second`` the same with ``--ls-cuda-graphs-capture second-sighting``,
-a shape's first sighting eager; ``ls_deferred_grow`` with ``--ls-cuda-graphs-memory grow``, the
-allocator's default memory management for the graphs; ``ls_deferred_nobuckets`` with ``--ls-shape-buckets 0``, one
-graph per batch shape, captured at its second sighting, so the steady state of the default
-corpus needs a third epoch: --epochs 3), ``ls_plain_fp16`` (the ls_ twins
-under fairseq's own FP16Optimizer). Same data, seed, hyperparameters
-(Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3, label
-smoothing 0.1, shared embeddings), --fp16.
+a setting: no per-shape plan cost), ``ls`` (the README's command: the ls_ names, with the fused
+fp16 copy, CUDA graphs and the deferred overflow check on by default), and A/B variants that
+turn one mechanism on or off (``VARIANTS`` below says what each runs). Same data, seed,
+hyperparameters (Ott et al. 2018: adam betas (0.9, 0.98), inverse_sqrt, warmup 4000, dropout 0.3,
+label smoothing 0.1, shared embeddings), --fp16.
 
     python bench/e2e.py --max-tokens 8192 --markdown $OUT/e2e.md --json $OUT/e2e.json
 
 The default corpus (40k pairs, 190 batches at 8192 tokens) meets each batch shape once per epoch;
 ``--sentences 400000 --epochs 1`` gives a first epoch closer to a real corpus's (1,666 batches, whose
-shapes and padded shapes repeat within the epoch, ``bench/shape_buckets.py``).
+shapes and padded shapes repeat within the epoch).
 
 ``--largest LOW HIGH STEP`` finds, per variant, the largest --max-tokens (a multiple of STEP in
 [LOW, HIGH]) whose run fits: no batch skipped for lack of memory, over the whole --epochs (the
@@ -44,15 +45,15 @@ worst batch of an epoch sets the peak, so short runs do not tell). A bisection, 
 run; the rows of every probe land in the tables, and a last table names each variant's largest
 size that fits and the smallest that did not.
 
-    python bench/e2e.py --sentences 200000 --epochs 1 --largest 32768 163840 8192 \
-        --variants baseline_nocudnn,ls_deferred
+    python bench/e2e.py --sentences 200000 --epochs 1 --largest 32768 163840 8192 \\
+        --variants baseline_nocudnn,ls
 
 MFU counts 1.27 GFLOP per target token (transformer big, forward + backward) against the dense
-fp16 matrix rate --peak-tflops (800, the issue's figure for the H100); each call also measures the
-GPU's 8192^3 fp16 matmul rate and prints it in the table's header.
+fp16 matrix rate --peak-tflops (800); each call also measures the GPU's 8192^3 fp16 matmul rate
+and prints it in the table's header. ls_ runs also log their own model TFLOP/s and MFU
+(``logged_*`` fields).
 """
 import argparse
-import datetime
 import json
 import os
 import re
@@ -60,16 +61,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-import learnable_corpus
-import profile_summary
+from benchlib import corpora, env, logs, results
 
 FLOP_PER_TOKEN = 1.27e9
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-from ls_fairseq.cli.compare import (  # noqa: E402
-    CURVE_FROM, holds_skipped_update, largest_jump, loss_curve, loss_difference, timed_tokens)
+#: profile_summary's Python-profile window after the profiled updates (its PY_STEPS)
+PROFILE_PY_STEPS = 20
+#: fairseq-compare's curve start, holds_skipped_update etc. come from ls_fairseq.cli.compare,
+#: imported where used (importing ls_fairseq registers the plugin: torch and fairseq)
 
 _LS = dict(arch="ls_transformer_wmt_en_de_big_t2t", criterion="ls_label_smoothed_cross_entropy",
            optimizer="ls_adam", cudnn_sdpa=True)
@@ -157,239 +155,37 @@ VARIANTS["ls_deferred_efficient"] = dict(VARIANTS["ls_deferred"],
                                          env={"LS_FAIRSEQ_ATTENTION": "efficient"})
 
 
-def wmt_like_lengths(rng, n):
-    """Source and target lengths in subwords (before fairseq's end-of-sentence token) shaped
-    like WMT14 en-de after joined BPE: lognormal, mean ~29, tail to 250."""
-    src_len = np.clip(np.round(rng.lognormal(mean=3.15, sigma=0.62, size=n)), 1, 250).astype(int)
-    tgt_len = np.clip(np.round(src_len * rng.normal(1.08, 0.15, size=n)), 1, 250).astype(int)
-    return src_len, tgt_len
-
-
-def make_corpus(workdir, sentences, vocab, seed=1, learnable=True):
-    """WMT14-like lengths, as fairseq-preprocess input text. ``learnable``: lines of
-    ``learnable_corpus`` sentences (a deterministic transduction with ~22k joined word types,
-    so the loss falls as the model learns it); otherwise random Zipf tokens over ``vocab`` types
-    (the loss stops at their unigram entropy)."""
-    rng = np.random.default_rng(seed)
-    os.makedirs(workdir, exist_ok=True)
-    if learnable:
-        gen = learnable_corpus.Generator(learnable_corpus.Lexicon(), rng)
-        lengths = []
-        for split, n in (("train", sentences), ("valid", 500)):
-            src_len, _ = wmt_like_lengths(rng, n)
-            pairs = learnable_corpus.write_split(
-                workdir, split, (gen.line_of_length(int(length)) for length in src_len))
-            lengths += [len(s.split()) for s, _ in pairs]
-        return float(np.mean(lengths))
-    ranks = np.arange(1, vocab + 1, dtype=np.float64)
-    p = 1.0 / ranks**1.05
-    p /= p.sum()
-    for split, n in (("train", sentences), ("valid", 500)):
-        src_len, tgt_len = wmt_like_lengths(rng, n)
-        for side, lengths in (("en", src_len), ("de", tgt_len)):
-            tokens = rng.choice(vocab, size=int(lengths.sum()), p=p)
-            words = np.char.add("t", tokens.astype(str))
-            with open(os.path.join(workdir, f"{split}.{side}"), "w") as f:
-                start = 0
-                for length in lengths:
-                    f.write(" ".join(words[start:start + length]) + "\n")
-                    start += length
-    return float(src_len.mean())
-
-
-def preprocess(workdir, workers, src="en", tgt="de"):
-    """Binarises ``workdir/{train,valid[,test]}.{src,tgt}`` into ``workdir/bin`` (joined
-    dictionary; test when its file exists) unless that was done already; returns the folder."""
-    dest = os.path.join(workdir, "bin")
-    if os.path.exists(os.path.join(dest, f"dict.{src}.txt")):
-        return dest
-    test = os.path.join(workdir, "test")
-    subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang",
-         tgt, "--trainpref", os.path.join(workdir, "train"), "--validpref",
-         os.path.join(workdir, "valid"), "--destdir", dest, "--joined-dictionary",
-         "--workers", str(workers)] + (
-             ["--testpref", test] if os.path.exists(f"{test}.{src}") else []),
-        check=True, capture_output=True,
-    )
-    return dest
-
-
-# Runs fairseq-train in this interpreter, then prints the peak allocated memory. Optional: switch
-# off cuDNN SDPA, and profile a window of steady-state updates (bench/profile_summary.py).
-WRAPPER = r"""
-import os, sys, atexit, torch
-if os.environ.get("BENCH_CUDNN_SDPA") == "0":
-    torch.backends.cuda.enable_cudnn_sdp(False)
-# fairseq resets the peak counter at every log interval and logs gb_free = total - peak since
-# the last reset; the peak of the run is total - min(gb_free)
-if torch.cuda.is_available():  # (tests run the wrapper on CPU)
-    print("BENCH_TOTAL_BYTES", torch.cuda.get_device_properties(0).total_memory, flush=True)
-# fairseq's figure is allocated memory. What the process holds is more: the allocator's cache,
-# the CUDA graphs' private pool (--ls-cuda-graphs), the graphs themselves, the CUDA context.
-# Sampled where fairseq resets its peak counter (every update), every 10th call.
-_held = [0, 0, 0]  # calls, max memory_reserved, max device memory used (total - free)
-_reset = torch.cuda.reset_peak_memory_stats
-def _reset_and_sample(*a, **k):
-    _held[0] += 1
-    if _held[0] % 10 == 1:
-        free, total = torch.cuda.mem_get_info()
-        _held[1] = max(_held[1], torch.cuda.memory_reserved())
-        _held[2] = max(_held[2], total - free)
-    return _reset(*a, **k)
-if torch.cuda.is_available():
-    torch.cuda.reset_peak_memory_stats = _reset_and_sample
-atexit.register(lambda: print("BENCH_HELD_BYTES", _held[1], _held[2], flush=True))
-# fairseq reads an interval's wps before its gnorm. Without a per-update host sync
-# (--ls-deferred-overflow-check) the GPU work still queued then (the last update's backward and
-# optimizer step) is waited for while the gnorm is read, after the wps: that wait is in no
-# interval's time. The time of each reset of the interval meters (after the whole log, waits
-# included) splits the run without gaps.
-import time
-from fairseq.logging import metrics as _metrics
-_reset_meters = _metrics.reset_meters
-def _stamped_reset(name):
-    if name == "train_inner":
-        print("BENCH_INTERVAL_END", repr(time.perf_counter()), flush=True)
-    return _reset_meters(name)
-_metrics.reset_meters = _stamped_reset
-if os.environ.get("BENCH_PROFILE_AT"):
-    sys.path.insert(0, os.environ["BENCH_HERE"])
-    import profile_summary
-    profile_summary.install_from_env()
-from fairseq_cli.train import cli_main
-sys.argv[0] = "fairseq-train"
-cli_main()
-"""
-
-
-# The fp16 matrix rate of this GPU, now, next to the call's figures: the baselines measured
-# 72-101k wps at 8192 tokens in different calls, so the machine is one suspect when figures of
-# two calls disagree (three H100 machines once gave 669-684 TFLOP/s). In a subprocess: the
-# benchmark's own process must not hold a CUDA context while fairseq-train measures the largest
-# batch that fits.
-GEMM_PROBE = r"""
-import torch
-n, iters = 8192, 200
-a = torch.randn(n, n, device="cuda", dtype=torch.float16)
-b = torch.randn(n, n, device="cuda", dtype=torch.float16)
-for _ in range(100):  # clocks up, cuBLAS heuristics chosen
-    a @ b
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-start.record()
-for _ in range(iters):
-    a @ b
-end.record()
-torch.cuda.synchronize()
-print("BENCH_GEMM_TFLOPS", 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3) / 1e12)
-"""
-
-
-def visible_gpus(n):
-    """The first n GPUs of this process's CUDA_VISIBLE_DEVICES (0..n-1 when it is unset): the
-    ones a run of n GPUs takes, so two benchmarks can run side by side on one host."""
-    given = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if given is None:
-        return [str(i) for i in range(n)]
-    return [d.strip() for d in given.split(",") if d.strip()][:n]
-
-
-def gpu_names():
-    """The GPUs' names from nvidia-smi, else from torch in a subprocess (this process holds no
-    CUDA context while the runs measure memory), else ["cpu"]."""
-    for cmd in (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                [sys.executable, "-c", "import torch\nfor i in range(torch.cuda.device_count()):"
-                                       " print(torch.cuda.get_device_name(i))"]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        names = [l.strip() for l in out.splitlines() if l.strip()]
-        if names:
-            return names
-    return ["cpu"]
-
-
-def commit():
-    # the device copy of the tree has no .git: the caller passes the commit in LS_BENCH_COMMIT
-    if os.environ.get("LS_BENCH_COMMIT"):
-        return os.environ["LS_BENCH_COMMIT"]
-    try:
-        git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        git = ""
-    return (git or "unknown") + (" (from git, not LS_BENCH_COMMIT: on the device the tree's git "
-                                 "state may be stale)")
-
-
-def gemm_tflops():
-    """Measured fp16 TFLOP/s of an 8192^3 matmul on this GPU, or None (no GPU, error)."""
-    proc = subprocess.run([sys.executable, "-c", GEMM_PROBE], capture_output=True, text=True)
-    found = re.findall(r"BENCH_GEMM_TFLOPS ([0-9.]+)", proc.stdout)
-    return float(found[-1]) if found else None
-
-
-def train_cmd(data, variant, max_tokens, epochs, seed, extra, wrapper=WRAPPER):
+def train_cmd(data, variant, max_tokens, epochs, seed, extra):
+    """fairseq-train's command line of ``variant`` (the recipe in the module docstring)."""
     v = VARIANTS[variant]
-    cmd = [
-        sys.executable, "-c", wrapper, data, "--arch", v["arch"], "--share-all-embeddings",
+    cmd = env.fairseq_cmd(
+        "train", data, "--arch", v["arch"], "--share-all-embeddings",
         "--optimizer", v["optimizer"], "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
         "--lr", "7e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
         "--warmup-init-lr", "1e-07", "--dropout", "0.3", "--weight-decay", "0.0",
-        "--criterion", v["criterion"], "--label-smoothing", "0.1", "--max-tokens", str(max_tokens),
-        "--bf16" if v.get("bf16") else "--fp16", "--seed", str(seed), "--max-epoch", str(epochs), "--no-save",
-        "--disable-validation", "--log-format", "json", "--log-interval", "10",
-        "--num-workers", "2", "--required-batch-size-multiple", "8",
-    ]
+        "--criterion", v["criterion"], "--label-smoothing", "0.1", "--max-tokens", max_tokens,
+        "--bf16" if v.get("bf16") else "--fp16", "--seed", seed, "--max-epoch", epochs,
+        "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "10",
+        "--num-workers", "2", "--required-batch-size-multiple", "8")
     if v["arch"].startswith("ls_"):
-        cmd += ["--user-dir", os.path.join(ROOT, "ls_fairseq")]
+        cmd += ["--user-dir", env.USER_DIR]
     cmd += v.get("flags", [])
     return cmd + list(extra)
 
 
-STATS_LINE = re.compile(r"(?:\| |INFO:)(train_inner|train)(?: \| |:)(\{.*\})\s*$", re.M)
-
-
-def log_records(text):
-    """("train_inner" | "train", stats) for each json stats line of a fairseq-train log, in order:
-    "... | INFO | train_inner | {...}" from fairseq-train, "INFO:train_inner:{...}" from the worker
-    processes fairseq spawns for --distributed-world-size > 1 (default logging format)."""
-    for m in STATS_LINE.finditer(text):
-        yield m.group(1), json.loads(m.group(2))
-
-
-def parse_log(text):
-    inner, epochs = [], {}
-    for kind, stats in log_records(text):
-        if kind == "train_inner":
-            inner.append(stats)
-        else:  # end-of-epoch stats carry a "train_" prefix
-            stats = {k[len("train_"):] if k.startswith("train_") else k: v for k, v in stats.items()}
-            epochs[int(stats["epoch"])] = stats
-    total = re.findall(r"BENCH_TOTAL_BYTES (\d+)", text)
-    free = [float(s["gb_free"]) for s in inner if "gb_free" in s]
-    peak = int(total[-1]) - min(free) * 2**30 if total and free else None
-    held = re.findall(r"BENCH_HELD_BYTES (\d+) (\d+)", text)
-    return inner, epochs, peak, (tuple(int(x) / 2**30 for x in held[-1]) if held else (None, None))
-
-
-def time_weighted_wps(stats):
-    """Tokens/s over logged intervals, each weighted by its time: sum(tokens) / sum(tokens / wps)."""
-    return sum(float(s["wpb"]) for s in stats) / sum(float(s["wpb"]) / float(s["wps"]) for s in stats)
+def train_env(variant, **probes):
+    """The environment of a variant's fairseq-train run: its probes (cuDNN attention as the
+    variant says, the memory sampler, the clock stamps; benchlib/probes) and its own settings."""
+    e = env.train_env(BENCH_CUDNN_SDPA="1" if VARIANTS[variant]["cudnn_sdpa"] else "0",
+                      BENCH_MEMORY="1", BENCH_STAMPS="1", **probes)
+    if variant.startswith("ls"):
+        e.setdefault("LS_FAIRSEQ_KERNELS", "require")
+    e.update(VARIANTS[variant].get("env", {}))
+    return e
 
 
 def mfu(wps, peak_tflops):
     return wps * FLOP_PER_TOKEN / (peak_tflops * 1e12)
-
-
-INTERVAL_END = re.compile(r"^BENCH_INTERVAL_END ([0-9.e+-]+)\s*$", re.M)
-
-
-def interval_ends(log):
-    """The host clock (s) at the end of each logged interval, in order: WRAPPER stamps each reset
-    of fairseq's interval meters, which follows the interval's whole log (so its waits too)."""
-    return [float(t) for t in INTERVAL_END.findall(log)]
 
 
 def stamped(inner, ends) -> bool:
@@ -403,18 +199,18 @@ def interval_wps(inner, epoch, ends=None):
     an epoch at 32768 tokens is ~55 updates and that restart is ~20% of the epoch's time; on
     WMT14 an epoch is thousands of updates.
 
-    With ``ends`` (one per logged interval, ``interval_ends``), each interval is timed from the
-    previous interval's end to its own, and holds wpb x its updates tokens: the intervals then
+    With ``ends`` (one per logged interval, ``logs.interval_ends``), each interval is timed from
+    the previous interval's end to its own, and holds wpb x its updates tokens: the intervals then
     cover the run's time without gaps. Without them (or when they do not pair up with the
-    intervals, e.g. workers of a multi-GPU run log intervals the main process does not stamp),
-    fairseq's own interval figures, which leave out the wait for the GPU work still queued at each
-    log: with no per-update host sync (``--ls-deferred-overflow-check``) that is the last update's
-    backward and optimizer step, about 0.7 of an update per log, so they read high (before the
-    plugin waited for the GPU at logged updates, ls_ with the deferred check read +7% at 8192 tokens
-    and --log-interval 10; fairseq's baseline, which syncs every update: within 2%)."""
+    intervals), fairseq's own interval figures, which leave out the wait for the GPU work still
+    queued at each log: with no per-update host sync (``--ls-deferred-overflow-check``) that is
+    the last update's backward and optimizer step, about 0.7 of an update per log, so they read
+    high."""
     if not stamped(inner, ends):
         rows = [s for s in inner if int(s.get("epoch", 0)) == epoch][1:]
-        return time_weighted_wps(rows) if rows else None
+        return logs.time_weighted_wps(rows) if rows else None
+    from ls_fairseq.cli.compare import timed_tokens
+
     tokens, seconds = timed_tokens([[(int(s["num_updates"]), float(s["wpb"]), end)
                                      for s, end in zip(inner, ends)
                                      if int(s.get("epoch", 0)) == epoch]])
@@ -434,24 +230,61 @@ def run_failure(returncode, log):
     return None
 
 
-def train_env(variant):
-    """The environment of a variant's fairseq-train run (train_cmd's wrapper reads it)."""
-    env = dict(os.environ, BENCH_CUDNN_SDPA="1" if VARIANTS[variant]["cudnn_sdpa"] else "0",
-               BENCH_HERE=HERE, PYTHONUNBUFFERED="1")
-    if variant.startswith("ls"):
-        env.setdefault("LS_FAIRSEQ_KERNELS", "require")
-    env.update(VARIANTS[variant].get("env", {}))
-    return env
+def row_of_log(log, variant, max_tokens, peak_tflops):
+    """One run's row from its log: throughput per epoch and over the steady intervals, memory,
+    MFU, the loss curve (the module docstring names the fields)."""
+    from ls_fairseq.cli.compare import holds_skipped_update
+
+    run = logs.parse(log)
+    inner, epochs = run.inner, run.epochs
+    mem = next(iter(logs.memory(log)), {})
+    peak = logs.peak_allocated_gb(run, mem.get("total_bytes"))
+    row = {"variant": variant, "max_tokens": max_tokens, "peak_gb": peak,
+           "reserved_gb": mem["reserved_max_bytes"] / logs.GIB if mem else None,
+           "device_gb": mem["used_max_bytes"] / logs.GIB if mem else None}
+    row["wps_by_epoch"] = [epochs[e]["wps"] for e in sorted(epochs)]
+    row["updates_through_epoch"] = [int(epochs[e]["num_updates"]) for e in sorted(epochs)]
+    last = max(epochs, default=2)
+    for e, key in ((1, "unseen"), (last, "steady")):
+        if e in epochs:
+            row[f"wps_{key}"] = epochs[e]["wps"]
+            row[f"ups_{key}"] = epochs[e]["ups"]
+            row[f"updates_{key}"] = int(epochs[e]["num_updates"]) - (
+                int(epochs[e - 1]["num_updates"]) if e > 1 and e - 1 in epochs else 0)
+    if epochs:
+        ends = logs.interval_ends(log)
+        row["wps_steady_intervals"] = interval_wps(inner, last, ends)
+        row["intervals_timed"] = stamped(inner, ends)  # else fairseq's own interval figures
+        row["wps_steady_intervals_fairseq"] = interval_wps(inner, last)
+        row["mfu_steady_intervals"] = mfu(row["wps_steady_intervals"] or 0, peak_tflops)
+    row["mfu_steady"] = mfu(row.get("wps_steady", 0), peak_tflops)
+    # what ls_ runs log themselves (ls_fairseq/flops.py: the architecture's FLOPs of the real
+    # tokens over fairseq's epoch clock, against the GPU's dense 16-bit peak)
+    for e, key in ((1, "unseen"), (last, "steady")):
+        for field in ("tflops", "mfu"):
+            if e in epochs and epochs[e].get(field) is not None:
+                row[f"logged_{field}_{key}"] = epochs[e][field]
+    losses = [s for s in inner if s.get("loss") is not None]
+    row["loss_first"] = losses[0]["loss"] if losses else None
+    row["loss_last"] = losses[-1]["loss"] if losses else None
+    row["loss_by_update"] = {int(s["num_updates"]): s["loss"] for s in losses}
+    # intervals holding an update that overflowed (logged only with --ls-deferred-overflow-check)
+    row["skipped_update_intervals"] = [int(s["num_updates"]) for s in inner
+                                       if holds_skipped_update(s.get("gnorm") or 0.0)]
+    row["fp16_overflows"] = log.count("gradient overflow detected")
+    return row
 
 
 def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
-    env = train_env(variant)
+    probes = {}
     if profile_at is not None:
-        env.update(BENCH_PROFILE_AT=str(profile_at),
-                   BENCH_PROFILE_OUT=os.path.join(log_dir, f"profile_{variant}_{max_tokens}.json"))
-    cmd = train_cmd(data, variant, max_tokens, args.epochs, args.seed, list(args.extra) + list(extra))
+        probes = dict(BENCH_PROFILE_AT=profile_at,
+                      BENCH_PROFILE_OUT=os.path.join(log_dir,
+                                                     f"profile_{variant}_{max_tokens}.json"))
+    cmd = train_cmd(data, variant, max_tokens, args.epochs, args.seed,
+                    list(args.extra) + list(extra))
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=train_env(variant, **probes))
     wall = time.time() - start
     log = proc.stdout + proc.stderr
     tag = "profile" if profile_at is not None else "train"
@@ -461,43 +294,11 @@ def run_variant(data, variant, max_tokens, args, log_dir, profile_at=None, extra
     failure = run_failure(proc.returncode, log)
     if failure:
         return {"variant": variant, "max_tokens": max_tokens, "error": failure}
-    inner, epochs, peak, (reserved_gb, device_gb) = parse_log(log)
     if profile_at is not None:
         found = re.findall(r"BENCH_PROFILE (\{.*\})", log)
         return {"variant": variant, "max_tokens": max_tokens,
                 "profile": json.loads(found[-1]) if found else None}
-    row = {"variant": variant, "max_tokens": max_tokens, "wall_s": wall,
-           "peak_gb": peak / 2**30 if peak else None, "reserved_gb": reserved_gb,
-           "device_gb": device_gb}
-    row["wps_by_epoch"] = [float(epochs[e]["wps"]) for e in sorted(epochs)]
-    row["updates_through_epoch"] = [int(epochs[e]["num_updates"]) for e in sorted(epochs)]
-    for e, key in ((1, "unseen"), (max(epochs, default=2), "steady")):
-        if e in epochs:
-            row[f"wps_{key}"] = float(epochs[e]["wps"])
-            row[f"ups_{key}"] = float(epochs[e]["ups"])
-            row[f"updates_{key}"] = int(epochs[e]["num_updates"]) - (int(epochs[e - 1]["num_updates"]) if e > 1 else 0)
-    if epochs:
-        ends = interval_ends(log)
-        row["wps_steady_intervals"] = interval_wps(inner, max(epochs), ends)
-        row["intervals_timed"] = stamped(inner, ends)  # else fairseq's own interval figures
-        row["wps_steady_intervals_fairseq"] = interval_wps(inner, max(epochs))
-        row["mfu_steady_intervals"] = mfu(row["wps_steady_intervals"] or 0, args.peak_tflops)
-    row["mfu_steady"] = mfu(row.get("wps_steady", 0), args.peak_tflops)
-    # what ls_ runs log themselves (ls_fairseq/flops.py: the architecture's FLOPs of the real
-    # tokens over fairseq's epoch clock, against the GPU's dense 16-bit peak)
-    for e, key in ((1, "unseen"), (max(epochs, default=2), "steady")):
-        for field in ("tflops", "mfu"):
-            if e in epochs and field in epochs[e]:
-                row[f"logged_{field}_{key}"] = float(epochs[e][field])
-    row["loss_first"] = float(inner[0]["loss"]) if inner else None
-    row["loss_last"] = float(inner[-1]["loss"]) if inner else None
-    row["loss_by_update"] = {int(s["num_updates"]): float(s["loss"]) for s in inner
-                             if "loss" in s and "num_updates" in s}
-    # intervals holding an update that overflowed (logged only with --ls-deferred-overflow-check)
-    row["skipped_update_intervals"] = [int(s["num_updates"]) for s in inner if "num_updates" in s
-                                       and holds_skipped_update(float(s.get("gnorm", 0)))]
-    row["fp16_overflows"] = log.count("gradient overflow detected")
-    return row
+    return dict(row_of_log(log, variant, max_tokens, args.peak_tflops), wall_s=wall)
 
 
 def largest_that_fits(fits, low, high, step):
@@ -582,12 +383,15 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def fidelity_markdown(rows, curve_from=CURVE_FROM):
+def fidelity_markdown(rows, curve_from=None):
     """The loss curve of each run against the first baseline of its --max-tokens (the rows of
     ``ls-fairseq-compare``): the mean and s.d. of their interval losses' differences at the
     updates both logged from ``curve_from`` on, and each run's largest interval loss jump over
     its 10 neighbouring intervals, with its fp16 overflow count. As there, intervals holding an
     update that overflowed (which fairseq does not log) are left out, and counted."""
+    from ls_fairseq.cli.compare import CURVE_FROM, largest_jump, loss_curve, loss_difference
+
+    curve_from = CURVE_FROM if curve_from is None else curve_from
     lines = [f"Loss curves, intervals from update {curve_from} on (as `ls-fairseq-compare`):", "",
              "| max-tokens | variant | intervals vs baseline | loss − baseline, mean | s.d. | "
              "largest jump over neighbours (update) | fp16 overflows | intervals left out |",
@@ -649,13 +453,13 @@ def profile_markdown(profiles):
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=None,
                     help="corpus and logs (default /tmp/ls_bench_e2e_<corpus>_<sentences>)")
     ap.add_argument("--sentences", type=int, default=40000, help="training pairs (sets the epoch length)")
     ap.add_argument("--corpus", choices=("learnable", "zipf"), default="learnable",
-                    help="learnable: bench/learnable_corpus.py sentences in WMT-length lines (the "
+                    help="learnable: the learnable corpus's sentences in WMT-length lines (the "
                          "loss falls); zipf: random Zipf tokens over --vocab types (it does not)")
     ap.add_argument("--vocab", type=int, default=32000, help="--corpus zipf: token types")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192])
@@ -678,19 +482,31 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("extra", nargs="*", help="extra fairseq-train flags (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") + args.profile_variants.split(",")
+               if v and v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants/--profile-variants: unknown {unknown}; choose from "
+                 f"{sorted(VARIANTS)}")
 
     args.workdir = args.workdir or f"/tmp/ls_bench_e2e_{args.corpus}_{args.sentences}"
     log_dir = args.log_dir or os.path.join(args.workdir, "logs")
     os.makedirs(log_dir, exist_ok=True)
+    command = "python bench/e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    head = results.header("bench/e2e.py", f"end-to-end training throughput, variants "
+                          f"{args.variants}, --max-tokens "
+                          f"{' '.join(map(str, args.max_tokens))}, {args.corpus} corpus of "
+                          f"{args.sentences} pairs, {args.epochs} epochs", command)
     t0 = time.time()
-    mean_len = make_corpus(args.workdir, args.sentences, args.vocab,
-                           learnable=args.corpus == "learnable") if not os.path.exists(
-        os.path.join(args.workdir, "train.en")) else None
-    data = preprocess(args.workdir, args.workers)
+    mean_len = None
+    if not os.path.exists(os.path.join(args.workdir, "train.en")):
+        mean_len = (corpora.write_learnable_wmt(args.workdir, args.sentences)
+                    if args.corpus == "learnable" else
+                    corpora.write_zipf(args.workdir, args.sentences, args.vocab))
+    data = corpora.preprocess(args.workdir, args.workers)
     print(f"corpus ready in {time.time() - t0:.0f}s (mean source length {mean_len})", flush=True)
 
-    gemm = [gemm_tflops()]
+    gemm = [env.gemm_tflops()]
     print(f"fp16 GEMM rate: {fmt(gemm[0], '.0f')} TFLOP/s", flush=True)
     rows = []
 
@@ -719,28 +535,25 @@ def main():
                 run(variant, mt)
     profiles = []
     if args.profile:
+        profile_steps = int(os.environ.get("BENCH_PROFILE_STEPS", "5"))  # the probe's default
         for variant in args.profile_variants.split(","):
             trained = next((r for r in rows if r["variant"] == variant
                             and r["max_tokens"] == args.max_tokens[0] and "error" not in r), {})
             # updates done before each epoch: 0, then the count at the end of each epoch
             starts = [0] + trained.get("updates_through_epoch", [])
-            profile_steps = int(os.environ.get("BENCH_PROFILE_STEPS", "5"))  # profile_summary's
             at = (starts[args.profile_epoch - 1] if args.profile_epoch <= len(starts) else 0) + 20
             p = run_variant(data, variant, args.max_tokens[0], args, log_dir, profile_at=at,
-                            extra=["--max-update", str(at + profile_steps + 3 + profile_summary.PY_STEPS)])
+                            extra=["--max-update", str(at + profile_steps + 3 + PROFILE_PY_STEPS)])
             p["profile_at"] = at
             profiles.append(p)
             print(json.dumps(p), flush=True)
-    gemm.append(gemm_tflops())
-    import torch
+    gemm.append(env.gemm_tflops())
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    run_commit = commit()
     table = markdown(rows) + "\n\n" + fidelity_markdown(rows)
     if found:
         table += "\n\n" + largest_markdown(found)
-    header = (f"Device: {device}; date: {datetime.date.today()}; commit: {run_commit}; torch "
-              f"{torch.__version__}\n\nCommand: `python bench/e2e.py {' '.join(sys.argv[1:])}`\n\n"
+    header = (f"Device: {head['device']}; date: {head['date']}; commit: {head['commit']}; torch "
+              f"{head['torch']}\n\nCommand: `{command}`\n\n"
               f"fp16 GEMM rate of this GPU in this call (8192³ matmul, before / after the runs): "
               f"{fmt(gemm[0], '.0f')} / {fmt(gemm[1], '.0f')} TFLOP/s; the MFU column uses "
               f"--peak-tflops {args.peak_tflops:.0f}\n")
@@ -749,10 +562,10 @@ def main():
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(header + "\n" + table + "\n\n" + prof_md + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "commit": run_commit, "gemm_tflops": gemm, "rows": rows,
-                       "largest": found, "profiles": profiles}, f, indent=1)
+    if args.json and rows:
+        results.write(args.json, head, rows, gemm_tflops=gemm, largest=found, profiles=profiles,
+                      corpus=args.corpus, sentences=args.sentences, epochs=args.epochs)
+    return rows
 
 
 if __name__ == "__main__":

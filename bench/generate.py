@@ -30,27 +30,28 @@ converter; ``--data BIN`` then names its binarised data unless it was trained on
 corpus). Otherwise one model per ``--sizes`` entry is trained with the plain ls_ command
 (``ls_transformer`` for base, ``ls_transformer_wmt_en_de_big_t2t``, the repository's recipe, for
 big; shared embeddings, ls_label_smoothed_cross_entropy, ls_adam, ``--fp16`` on a GPU) for
-``--train-updates`` on ``bench/learnable_corpus.py``'s corpus in lines of WMT14-like lengths
-(``bench/e2e.py``'s, mean ~29 tokens), and converted; corpus and checkpoints are cached under
-``--workdir`` (a later call on the same machine reuses them). The model must be trained:
-an untrained one loops to the length limit, so every hypothesis has 200 tokens and the timing
-says nothing about real decoding; the rows' length ratio (~1.0 when trained) shows it.
+``--train-updates`` on the learnable corpus (``ls_fairseq.testing.learnable_corpus``) in lines
+of WMT14-like lengths (``bench/e2e.py``'s, mean ~29 tokens), and converted; corpus and checkpoints
+are cached under ``--workdir`` (a later call on the same machine reuses them). The model must be
+trained: an untrained one loops to the length limit, so every hypothesis has 200 tokens and the
+timing says nothing about real decoding; the rows' length ratio (~1.0 when trained) shows it.
 
 Output: a markdown table (printed, and written with ``--markdown``) and every row as data
-(``--json``: device, date, commit from LS_BENCH_COMMIT or git, the exact commands). Each row's JSON
-is printed as ``GENERATE_ROW {...}`` and both files are rewritten as soon as a row is done, so a
-call cut off by its time limit keeps the rows it finished. Under the table, the issue's targets
+(``--json``, benchlib/results.py's schema: device, date, commit from LS_BENCH_COMMIT or git, the
+exact commands). Each row's JSON is printed as ``GENERATE_ROW {...}`` and both files are
+rewritten as soon as a row is done, so a call cut off by its time limit keeps the rows it
+finished. Under the table, the decoding targets
 (ls_ ≥ 3x fairseq's sentences/s at big, fp16, beam 5, batch 128 and ≥ 2x at batch 1; fp32
 hypotheses identical; fp16 ≥ 99% identical and BLEU within 0.1) are checked for the rows present.
 ``--floor-batch N`` decodes fairseq's side once more at batch N and adds the share of its lines
 that equal its own at the row's batch: in fp16, how closely fairseq agrees with itself.
 
-Examples (one H100; times are estimates, each with the corpus (~0.5 min) and the training of its
-sizes (~1 min base, ~2 min big) the first time a --workdir sees them, plus the extension's JIT
-build on a fresh machine; each decoding run also spends ~25-35 s starting fairseq and loading
-the model, so a batch-128 row takes ~1.5 minutes):
+Examples (one GPU of the H100 class; times are estimates, each with the corpus (~0.5 min) and the
+training of its sizes (~1 min base, ~2 min big) the first time a --workdir sees them, plus the
+extension's JIT build on a fresh machine; each decoding run also spends ~25-35 s starting fairseq
+and loading the model, so a batch-128 row takes ~1.5 minutes):
 
-    # the issue's target rows: big, fp16, beam 5, batch 128 and batch 1 (about 5 minutes)
+    # the target rows: big, fp16, beam 5, batch 128 and batch 1 (about 5 minutes)
     python bench/generate.py --sizes big --dtypes fp16 --beams 5 --batches 128,1 \\
         --json $OUT/generate_target.json --markdown $OUT/generate_target.md
 
@@ -69,7 +70,6 @@ the model, so a batch-128 row takes ~1.5 minutes):
         --train-updates 10
 """
 import argparse
-import datetime
 import glob
 import inspect
 import json
@@ -82,14 +82,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
+import quality  # H-/T- parsing, sacreBLEU scoring, the tiny model, log parsing
+from benchlib import corpora, env, results
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-USER_DIR = os.path.join(ROOT, "ls_fairseq")
-import e2e  # noqa: E402  (WMT-like line lengths, fairseq-preprocess)
-import learnable_corpus  # noqa: E402
-import quality  # noqa: E402  (H-/T- parsing, sacreBLEU scoring, the tiny model, log parsing)
+USER_DIR = env.USER_DIR
 
 # size -> (ls_ architecture trained, extra model options)
 SIZES = {
@@ -102,29 +98,6 @@ TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SIDES = ("fairseq", "ls")
 FAIRSEQ_NO_BF16 = ("not supported by fairseq 0.12 (fairseq-generate --bf16 sets its TPU flag "
                    "and casts the model for --fp16 only: it decodes in fp32)")
-
-# fairseq-generate in this interpreter, recording the weights' dtype(s) after decoding and the
-# peak GPU memory: whatever a side's --fp16/--bf16 did to the model shows in the row
-PROBE = r"""
-import atexit, sys
-from fairseq import checkpoint_utils
-_load, _models = checkpoint_utils.load_model_ensemble, []
-def _capture(*a, **k):
-    models, cfg = _load(*a, **k)
-    _models.extend(models)
-    return models, cfg
-checkpoint_utils.load_model_ensemble = _capture
-def _report():
-    import torch
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for m in _models for p in m.parameters()})
-    print("BENCH_MODEL_DTYPE", ",".join(dtypes) or "unknown", flush=True)
-    if torch.cuda.is_initialized():
-        print("BENCH_PEAK_BYTES", torch.cuda.max_memory_allocated(), flush=True)
-atexit.register(_report)
-from fairseq_cli.generate import cli_main
-sys.argv[0] = "fairseq-generate"
-cli_main()
-"""
 
 SUMMARY = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s "
                      r"\(([\d.]+) sentences/s, ([\d.]+) tokens/s\)")
@@ -151,43 +124,20 @@ def parse_probe(text):
 # corpus and checkpoints
 # --------------------------------------------------------------------------------------------
 
-def read_lines(path):
-    with open(path) as f:
-        return f.read().splitlines()
-
-
 def write_text_corpus(text_dir, lines, train, test, latency, seed=1):
     """``text_dir/{train,valid,test,latency}.{en,de}`` of the learnable corpus: WMT-like lines
     (``lines="wmt"``: sentences joined to lengths of mean ~29 tokens) or single sentences
     (``"sentence"``, ~13 tokens: the CPU test). ``latency`` is the first lines of ``test``."""
     if lines == "wmt":
-        e2e.make_corpus(text_dir, train, None, seed=seed)  # train and valid
-        rng = np.random.default_rng(seed + 1000)  # test lines unlike the training ones
-        gen = learnable_corpus.Generator(learnable_corpus.Lexicon(), rng)
-        src_len, _ = e2e.wmt_like_lengths(rng, test)
-        pairs = learnable_corpus.write_split(
-            text_dir, "test", (gen.line_of_length(int(n)) for n in src_len))
+        corpora.write_learnable_wmt(text_dir, train, seed=seed, test=test)
     else:
-        learnable_corpus.write_corpus(text_dir, train=train, valid=min(500, max(test, 50)),
-                                      test=test, seed=seed)
-        pairs = list(zip(*(read_lines(os.path.join(text_dir, f"test.{s}")) for s in ("en", "de"))))
-    learnable_corpus.write_split(text_dir, "latency", pairs[:latency])
+        corpora.write_learnable_sentences(text_dir, train=train, valid=min(500, max(test, 50)),
+                                          test=test, seed=seed)
+    pairs = list(zip(*(corpora.read_lines(os.path.join(text_dir, f"test.{s}"))
+                       for s in ("en", "de"))))
+    from ls_fairseq.testing.learnable_corpus import write_split
 
-
-def binarise_split(text_dir, data, split):
-    """Adds ``text_dir/split.{en,de}`` to the binarised folder ``data`` under the name ``split``
-    with its dictionary (fairseq-preprocess names every --testpref "test", so it writes to a
-    folder of its own first)."""
-    tmp = os.path.join(data, f"_{split}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang",
-         "de", "--testpref", os.path.join(text_dir, split), "--destdir", tmp,
-         "--srcdict", os.path.join(data, "dict.en.txt"), "--joined-dictionary", "--workers", "1"],
-        check=True, capture_output=True)
-    for path in glob.glob(os.path.join(tmp, "test.en-de.*")):
-        os.replace(path, os.path.join(data, split + os.path.basename(path)[len("test"):]))
-    shutil.rmtree(tmp)
+    write_split(text_dir, "latency", pairs[:latency])
 
 
 def prepare_corpus(a):
@@ -197,18 +147,18 @@ def prepare_corpus(a):
     if not os.path.exists(os.path.join(text_dir, "latency.de")):
         write_text_corpus(text_dir, a.lines, a.train_sentences, a.test_sentences,
                           a.latency_sentences)
-    data = e2e.preprocess(text_dir, 8)
+    data = corpora.preprocess(text_dir, 8)
     if not os.path.exists(os.path.join(data, "latency.en-de.de.idx")):
-        binarise_split(text_dir, data, "latency")
-    return data, {split: dict(enumerate(read_lines(os.path.join(text_dir, f"{split}.de"))))
+        corpora.binarise_split(text_dir, data, "latency")
+    return data, {split: dict(enumerate(corpora.read_lines(os.path.join(text_dir, f"{split}.de"))))
                   for split in ("test", "latency")}
 
 
 def train_cmd(a, data, size, save_dir):
     """The plain ls_ command (names and --fp16 only), a short schedule for a learnable task."""
     arch, model = SIZES[size]
-    return [
-        sys.executable, "-m", "fairseq_cli.train", data, "--user-dir", USER_DIR, "--arch", arch,
+    return env.fairseq_cmd("train") + [
+        data, "--user-dir", USER_DIR, "--arch", arch,
         "--share-all-embeddings", "--optimizer", "ls_adam", "--adam-betas", "(0.9, 0.98)",
         "--clip-norm", "0.0", "--lr", str(a.lr), "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", str(a.warmup_updates), "--dropout", "0.1", "--weight-decay", "0.0001",
@@ -293,14 +243,14 @@ def fairseq_generate_casts_bf16():
 
 def run_generate(args, log_path, device="cuda"):
     """One fairseq-generate run: its summary, probe and hypotheses, or an error."""
-    cmd = [sys.executable, "-c", PROBE] + args
+    cmd = env.probe_cmd("generate_probe", *args)
     # plain fairseq loads checkpoints only with torch's unsafe loader under torch >= 2.6 (a
     # converted one loads without it); the same loader on both sides
-    env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    run_env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
     if device == "cpu":  # torch's threads fight over a busy CPU (10x slower seen on 2 cores)
-        env["OMP_NUM_THREADS"] = "1"
+        run_env["OMP_NUM_THREADS"] = "1"
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
     text = proc.stdout + proc.stderr
     with open(log_path, "w") as f:
         f.write(text)
@@ -466,7 +416,7 @@ BLEU_EQUAL = 0.1  # "equal BLEU" for fp16: within 0.1
 
 
 def targets(rows):
-    """The issue's targets, checked on the rows present: (text, met or None if not measured)."""
+    """The decoding targets, checked on the rows present: (text, met or None if not measured)."""
     out = []
     for r in rows:
         where = f"{r['size']} {r['dtype']} beam {r['beam']} batch {r['batch']}"
@@ -498,7 +448,7 @@ def targets_markdown(rows):
     if not found:
         return ""
     mark = {True: "met", False: "**not met**", None: "not measured"}
-    return "Targets (issue 36):\n\n" + "\n".join(f"- {t}: {mark[ok]}" for t, ok in found)
+    return "Targets:\n\n" + "\n".join(f"- {t}: {mark[ok]}" for t, ok in found)
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,20 +462,8 @@ def cuda_available():
 
 
 def device_name(device):
-    """The GPU's name (``e2e.gpu_names``: no CUDA context in this process), or "cpu"."""
-    return "cpu" if device == "cpu" else e2e.gpu_names()[0]
-
-
-def build_extension():
-    """The ls_ CUDA extension built before any timed run (a JIT build inside the first ls_ run
-    would count as decoding time), in a subprocess: this process holds no CUDA context."""
-    code = ("from ls_fairseq.ops import _extension\n"
-            "print('extension', 'ok' if _extension.load() else 'FAILED: ' + "
-            "_extension.failure_reason()[-2000:])")
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    print((out.stdout.strip().splitlines() or [out.stderr.strip()[-2000:]])[-1],
-          f"{time.time() - t0:.0f}s", flush=True)
+    """The GPU's name (``env.gpu_names``: no CUDA context in this process), or "cpu"."""
+    return "cpu" if device == "cpu" else env.gpu_names()[0]
 
 
 def csv_of(text, cast=str):
@@ -609,23 +547,30 @@ def parse_args(argv):
     return a
 
 
+def _version(package):
+    import importlib.metadata
+
+    for name in (package, f"{package}-fixed"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
     t0 = time.time()
     os.makedirs(os.path.join(a.workdir, "runs"), exist_ok=True)
-    info = dict(device=device_name(a.device), date=str(datetime.date.today()), commit=e2e.commit(),
-                command="python bench/generate.py " + shlex.join(argv),
-                fairseq_bf16=a.fairseq_bf16)
-    try:
-        import fairseq
-        import torch
-
-        info.update(torch=torch.__version__, fairseq=fairseq.__version__)
-    except ImportError:
-        pass
+    info = results.header(
+        "bench/generate.py", f"decoding speed and agreement, fairseq-generate with fairseq's "
+        f"transformer and the ls_ twin: sizes {','.join(a.sizes)}, dtypes {','.join(a.dtypes)}, "
+        f"beams {','.join(map(str, a.beams))}, batches {','.join(map(str, a.batches))}",
+        "python bench/generate.py " + shlex.join(argv), device=device_name(a.device))
+    info.update(fairseq_bf16=a.fairseq_bf16, fairseq=_version("fairseq"))
     if a.device == "cuda" and os.environ.get("LS_FAIRSEQ_KERNELS", "auto") != "off":
-        build_extension()
+        env.build_extension()
 
     if a.data:
         data, refs = a.data, {}
@@ -651,10 +596,8 @@ def main(argv=None):
             with open(a.markdown, "w") as f:
                 f.write(f"{head}\n\nCommand: `{info['command']}`\n\n{text}\n"
                         + (f"\n{goals}\n" if goals else ""))
-        if a.json:
-            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-            with open(a.json, "w") as f:
-                json.dump(dict(info, rows=rows, targets=targets(rows)), f, indent=1)
+        if a.json and rows:
+            results.write(a.json, info, rows, targets=targets(rows))
         return text, goals
 
     for size, model in models:

@@ -26,13 +26,13 @@
     python bench/multi_gpu.py --gpus 2 --skip-correctness --sentences 200000 \
         --max-tokens 8192 16384 --json $OUT/multi_gpu_scaling.json --markdown $OUT/multi_gpu.md
 
---json holds every figure as data (the rows of docs/results/): device, date, commit
-(LS_BENCH_COMMIT, else git), the command line, the correctness curves and each scaling row.
+--json holds every figure as data (benchlib/results.py's schema: device, date, commit from
+LS_BENCH_COMMIT or git, the command line), one row per step: ``step`` "correctness" (the curves,
+gaps, resume and backends), "graphs_check", "profiles", and one "scaling" row per configuration.
+The probes (benchlib/probes: the memory sampler and the epoch-end stamps) run in every rank.
 Keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) as the device machines require.
 """
 import argparse
-import datetime
-import functools
 import json
 import math
 import os
@@ -43,28 +43,26 @@ import subprocess
 import sys
 
 import e2e
-import profile_summary
-import update_timeline
-from e2e import commit, gpu_names  # the call's device and commit, as every bench script
-from ls_fairseq.cli.compare.metrics import FULL_EPOCH
+from benchlib import corpora, env, logs, results, update_timeline
+from benchlib.env import gpu_names
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
 LOG_DIR = os.environ.get("OUT", "/tmp")
-MIN_UPDATES_PER_EPOCH = 200  # issue 37: fewer, and the epoch boundary's cost weighs too much
+#: fewer updates per epoch, and the epoch boundary's cost weighs too much in the steady figure
+MIN_UPDATES_PER_EPOCH = 200
 
 
 def losses(log):
-    return [(int(s["num_updates"]), float(s["loss"])) for s in e2e.parse_log(log)[0]]
+    return logs.losses(logs.parse(log))
 
 
 def loss_scales(log):
     """(update, fp16 loss scale) of each logged interval: where two runs' scales differ, they
     skipped a different number of overflowing updates and stopped seeing the same batches."""
-    return [(int(s["num_updates"]), float(s["loss_scale"])) for s in e2e.parse_log(log)[0]
-            if "loss_scale" in s]
+    return logs.loss_scales(logs.parse(log))
 
 
 def largest_gap(a, b):
@@ -84,149 +82,38 @@ def _finite(x):
     return None if x is None or math.isnan(x) else x
 
 
-# Runs fairseq-train in this interpreter and nothing else: the sitecustomize below does the
-# measuring in every process (e2e.WRAPPER would also query the GPU in the parent of the ranks).
-WRAPPER = """\
-import sys
-from fairseq_cli.train import cli_main
-sys.argv[0] = "fairseq-train"
-cli_main()
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _sitecustomize_dir():
-    """fairseq starts one process per GPU (torch.multiprocessing.spawn): a wrapper runs in the
-    parent only. A sitecustomize on PYTHONPATH runs in every process."""
-    d = "/tmp/mg_site"
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "sitecustomize.py"), "w") as f:
-        f.write(_SITECUSTOMIZE)
-    return d
-
-
-_SITECUSTOMIZE = r'''
-import os, sys
-if os.environ.get("BENCH_CUDNN_SDPA") == "0":
-    import torch
-    torch.backends.cuda.enable_cudnn_sdp(False)
-if os.environ.get("BENCH_PROFILE_AT"):
-    sys.path.insert(0, os.environ["BENCH_HERE"])
-    import profile_summary
-    profile_summary.install_from_env()
-if os.environ.get("HOST_SLACK_SLEEP_MS"):  # bench/host_slack.py --gpus N: its probe in every rank
-    sys.path.insert(0, os.environ["BENCH_HERE"])
-    import host_slack
-    exec(host_slack.PROBE, {"__name__": "host_slack_probe"})
-
-
-def _bench_rank():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-# BENCH_HELD_MEMORY=1: what each rank holds on its GPU, the figures of e2e.WRAPPER (which sees
-# one process): the allocator's reserved memory and the device's used memory (total - free: also
-# the CUDA context, the graphs, NCCL's buffers), sampled every 10th time fairseq resets its peak
-# counter (once per update); one line per rank at exit. The parent of spawned ranks never
-# samples and prints nothing.
-if os.environ.get("BENCH_HELD_MEMORY") == "1":
-    import atexit, torch
-    _held = {"calls": 0, "rank": 0, "reserved": 0, "used": 0}
-    _reset_peak = torch.cuda.reset_peak_memory_stats
-
-    def _reset_peak_and_sample(*a, **k):
-        _held["calls"] += 1
-        if _held["calls"] % 10 == 1:
-            free, total = torch.cuda.mem_get_info()
-            _held["reserved"] = max(_held["reserved"], torch.cuda.memory_reserved())
-            _held["used"] = max(_held["used"], total - free)
-            _held["rank"] = _bench_rank()
-        return _reset_peak(*a, **k)
-
-    torch.cuda.reset_peak_memory_stats = _reset_peak_and_sample
-
-    def _print_held():
-        if _held["calls"]:
-            print(f"BENCH_RANK_MEMORY rank={_held['rank']} reserved_max={_held['reserved']} "
-                  f"used_max={_held['used']}", flush=True)
-
-    atexit.register(_print_held)
-
-# BENCH_EPOCH_STAMPS=1: the host clock at each end of epoch (fairseq_cli.train resets the "train"
-# meters right after logging the epoch's stats), where fairseq's "wall" field has whole seconds.
-# fairseq.logging.metrics is patched as it is imported.
-if os.environ.get("BENCH_EPOCH_STAMPS") == "1":
-    import importlib.abc, importlib.util, time
-
-    def _stamp_epoch_ends(metrics):
-        reset = metrics.reset_meters
-
-        def reset_meters(name):
-            if name == "train":
-                # one write: print's text and newline are two, and the ranks' lines interleave
-                sys.stdout.flush()
-                os.write(1, f"BENCH_EPOCH_END rank={_bench_rank()} {time.perf_counter()!r}\n"
-                         .encode())
-            return reset(name)
-
-        metrics.reset_meters = reset_meters
-
-    class _PatchMetricsOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "fairseq.logging.metrics":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _stamp_epoch_ends(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _PatchMetricsOnImport())
-'''
-
-
 def corpus(sentences, workers, workdir=None):
     """The binarised synthetic corpus of ``sentences`` pairs (made once per machine)."""
     if workdir is None:
         workdir = "/tmp/ls_bench_e2e" + ("" if sentences == 40000 else f"_{sentences}")
     if not os.path.exists(os.path.join(workdir, "train.en")):
-        e2e.make_corpus(workdir, sentences, 32000)
-    return e2e.preprocess(workdir, workers)
+        corpora.write_learnable_wmt(workdir, sentences)
+    return corpora.preprocess(workdir, workers)
 
 
 #: fairseq's DDP backends that train the ls_ model (correctness, step 3)
 DDP_BACKENDS = ("pytorch_ddp", "legacy_ddp", "no_c10d")
 
 KEEP = re.compile(r"^BENCH_|end of epoch|Stopping training|Loaded checkpoint|"
-                  r"copy-engine-all-reduce|sharded-optimizer-step|re-capturing")
+                  r"copy-engine-all-reduce|sharded-optimizer-step|re-capturing|"
+                  r"(train_inner|train)(?: \| |:)\{")
 
 
 def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra=(),
           backend="pytorch_ddp", env_extra=None, epochs=100):
-    cmd = e2e.train_cmd(data, variant, max_tokens, epochs, 1, list(extra), wrapper=WRAPPER)
+    cmd = e2e.train_cmd(data, variant, max_tokens, epochs, 1, list(extra))
     cmd.remove("--no-save")  # train_cmd's own; a caller that wants no checkpoints passes it
     cmd += ["--distributed-world-size", str(gpus), "--update-freq", str(update_freq),
             "--save-dir", save_dir, "--no-epoch-checkpoints", "--ddp-backend", backend]
     if updates:
         cmd += ["--max-update", str(updates)]
-    env = e2e.train_env(variant)
-    env.update(CUDA_VISIBLE_DEVICES=",".join(e2e.visible_gpus(gpus)),
-               BENCH_HELD_MEMORY="1", BENCH_EPOCH_STAMPS="1")
-    env["PYTHONPATH"] = _sitecustomize_dir() + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(env_extra or {})
+    run_env = e2e.train_env(variant, **(env_extra or {}))
+    run_env["CUDA_VISIBLE_DEVICES"] = ",".join(env.visible_gpus(gpus))
     # streamed into $OUT while it runs, so a run that the call's time cuts still shows how far
     # it got; the next run overwrites them
     streams = [os.path.join(LOG_DIR, f"multi_gpu_current_run.{s}") for s in ("out", "err")]
     with open(streams[0], "w") as out, open(streams[1], "w") as err:
-        proc = subprocess.run(cmd, stdout=out, stderr=err, text=True, env=env)
+        proc = subprocess.run(cmd, stdout=out, stderr=err, text=True, env=run_env)
     log = ""
     for path in streams:
         with open(path) as f:
@@ -238,7 +125,7 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
     with open(os.path.join(LOG_DIR, "multi_gpu_runs.log"), "a") as f:
         f.write(f"\n===== {' '.join(cmd[3:])} gpus={gpus} rc={proc.returncode}\n")
         lines = [l for l in log.splitlines() if "Warning" not in l]
-        stats = [l for l in lines[:-40] if e2e.STATS_LINE.search(l) or KEEP.search(l)]
+        stats = [l for l in lines[:-40] if KEEP.search(l)]
         f.write("\n".join(stats + lines[-40:])[-200000:])
     if proc.returncode != 0:
         raise RuntimeError(log[-3000:])
@@ -249,27 +136,16 @@ def train(data, variant, max_tokens, gpus, update_freq, updates, save_dir, extra
 # what a run's log says
 # --------------------------------------------------------------------------------------------
 
-# a stamp starts a line, or follows another stamp on it: runs of an earlier version wrote the
-# newline apart from the text, so two ranks' stamps could share a line
-EPOCH_END = re.compile(r"(?:^|(?<=\d))BENCH_EPOCH_END rank=(\d+) (\d+\.\d+)(?=BENCH_|\s|$)",
-                       re.M)
-RANK_MEMORY = re.compile(r"^BENCH_RANK_MEMORY rank=(\d+) reserved_max=(\d+) used_max=(\d+)\s*$",
-                         re.M)
-
-
 def epoch_ends(log):
     """The host clock (s) at each end of epoch of the lowest rank that stamped (rank 0: the rank
     that logs fairseq's stats), in order."""
-    stamps = [(int(r), float(t)) for r, t in EPOCH_END.findall(log)]
-    first = min((r for r, _ in stamps), default=None)
-    return [t for r, t in stamps if r == first]
+    return logs.epoch_ends(log)
 
 
 def rank_memory(log):
     """Each rank's peak reserved and used device memory (bytes), by rank."""
-    found = {int(r): (int(res), int(used)) for r, res, used in RANK_MEMORY.findall(log)}
-    return [{"rank": r, "reserved_max_bytes": res, "used_max_bytes": used}
-            for r, (res, used) in sorted(found.items())]
+    return [{k: m[k] for k in ("rank", "reserved_max_bytes", "used_max_bytes")}
+            for m in logs.memory(log)]
 
 
 def epoch_wps(log):
@@ -280,14 +156,16 @@ def epoch_wps(log):
     whole seconds) to its end; "steady" is epochs 2..last over the time between the ends of
     epoch 1 and of the last, from the sitecustomize's stamps where there is one per epoch line,
     else from the ``wall`` fields. A last epoch cut short by --max-update is left out."""
-    _, epochs, _, _ = e2e.parse_log(log)
+    from ls_fairseq.cli.compare.metrics import FULL_EPOCH
+
+    epochs = logs.parse(log).epochs
     rows, before = [], 0
     for e in sorted(epochs):
         s = epochs[e]
         updates = int(s["num_updates"]) - before
         before = int(s["num_updates"])
-        rows.append({"epoch": e, "updates": updates, "tokens": float(s["wpb"]) * updates,
-                     "wall": float(s["wall"]), "wps": float(s["wps"])})
+        rows.append({"epoch": e, "updates": updates, "tokens": s["wpb"] * updates,
+                     "wall": s["wall"], "wps": s["wps"]})
     ends = epoch_ends(log)
     stamped = len(ends) == len(rows) and len(rows) > 0
     complete = list(rows)
@@ -319,21 +197,23 @@ def epoch_wps(log):
 
 
 def steady_wps(log):
-    """Tokens/s over the logged intervals in the second half of a run (e2e.time_weighted_wps),
+    """Tokens/s over the logged intervals in the second half of a run (logs.time_weighted_wps),
     leaving out each interval that spans an epoch boundary: that interval carries the
     end-of-epoch work (iterator and data-loader restart, ~3 s) and falls at a different place in
     the 1- and N-GPU runs (N GPUs finish an epoch in 1/N of the updates), so keeping it would
     bias the ratio. fairseq's interval meters: kept beside the wall-clock figures."""
     rows, after_epoch = [], False
-    for kind, stats in e2e.log_records(log):
-        if kind == "train":
+    for record in logs.parse(log).records:
+        if record["kind"] == "epoch":
             after_epoch = True
             continue
+        if record["kind"] != "inner":
+            continue
         if not after_epoch:
-            rows.append(stats)
+            rows.append(record)
         after_epoch = False
     steady = rows[len(rows) // 2:]
-    return e2e.time_weighted_wps(steady) if steady else float("nan")
+    return logs.time_weighted_wps(steady) if steady else float("nan")
 
 
 def scaling_row(log, max_tokens, variant, backend, gpus, epochs, error=None):
@@ -391,7 +271,7 @@ def row_warnings(row):
     n = row.get("updates_per_epoch")
     if n is None or n < MIN_UPDATES_PER_EPOCH:
         out.append(f"WARNING: {name}: {e2e.fmt(n, 'd')} updates per epoch, under the "
-                   f"{MIN_UPDATES_PER_EPOCH} the issue asks for (a larger --sentences)")
+                   f"{MIN_UPDATES_PER_EPOCH} a steady figure needs (a larger --sentences)")
     if not row.get("epochs_steady"):
         out.append(f"WARNING: {name}: no complete epoch after the first (no steady figure)")
     ratio = row.get("tokens_per_epoch_vs_1gpu")
@@ -443,21 +323,17 @@ def scaling_markdown(rows):
 # the call: device, commit, command; the results file
 # --------------------------------------------------------------------------------------------
 
-def run_info(argv):
-    import torch
-
-    names = gpu_names()
-    return {"device": names[0], "devices": names, "date": str(datetime.date.today()),
-            "commit": commit(), "torch": torch.__version__,
-            "command": "python bench/multi_gpu.py " + shlex.join(argv)}
-
-
-def write_json(path, info, results):
-    with open(path, "w") as f:
-        json.dump(dict(info, **results), f, indent=1)
+def result_rows(results_so_far):
+    """The results file's rows: one per step that ran (``step``: correctness, graphs_check,
+    profiles), then one per scaling configuration."""
+    rows = [dict(step=step, **results_so_far[step])
+            for step in ("correctness", "graphs_check", "profiles") if results_so_far.get(step)]
+    scaling = results_so_far.get("scaling") or {}
+    return rows + [dict(step="scaling", scaling_epochs=scaling["epochs"], **r)
+                   for r in scaling.get("rows", [])]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--workdir", default=None,
@@ -471,7 +347,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192],
                     help="per GPU; the correctness step uses the first")
     ap.add_argument("--updates", type=int, default=200,
-                    help="updates of the correctness runs (the issue asks for >= 200)")
+                    help="updates of the correctness runs (>= 200: past the early fp16 overflows)")
     ap.add_argument("--correctness-backend", default="pytorch_ddp",
                     help="--ddp-backend of the correctness and resume runs (fairseq's default)")
     ap.add_argument("--other-backends", default=",".join(DDP_BACKENDS),
@@ -515,51 +391,60 @@ def main():
                     help="profile on N GPUs only (the 1-GPU profile was taken in an earlier call)")
     ap.add_argument("--profile-timelines", action="store_true",
                     help="each profiled rank also writes its GPU timeline (BENCH_PROFILE_TIMELINE) "
-                         "and bench/update_timeline.py splits every update after its backward: "
+                         "and benchlib/update_timeline.py splits every update after its backward: "
                          "all-reduce wait, clip, optimizer, idle until the next update")
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--json", default=None,
                     help="every figure as data: device, date, commit, command, the correctness "
                          "curves and gaps, each scaling row (written again after each run)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     unknown = [b for b in args.other_backends.split(",") if b and b not in DDP_BACKENDS]
     if unknown:
         ap.error(f"--other-backends {args.other_backends}: {', '.join(unknown)} is not one of "
                  f"{', '.join(DDP_BACKENDS)}")
     if args.init_scale < 0:
         ap.error(f"--init-scale {args.init_scale:g}: a loss scale is positive (0: fairseq's)")
-    info = run_info(sys.argv[1:])
-    print(f"Device: {', '.join(info['devices'])}; commit: {info['commit']}", flush=True)
+    names = gpu_names()
+    command = "python bench/multi_gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    info = results.header("bench/multi_gpu.py", f"several GPUs through fairseq's distributed "
+                          f"engine on {args.gpus} GPUs: "
+                          + ", ".join(step for step, skip in (
+                              ("correctness, resume and DDP backends", args.skip_correctness),
+                              ("scaling", args.skip_scaling), ("profiles", not args.profile),
+                              ("graphs check", not args.graphs_check)) if not skip),
+                          command, device=names[0])
+    info["devices"] = names
+    print(f"Device: {', '.join(names)}; commit: {info['commit']}", flush=True)
     data = corpus(args.sentences, args.workers, args.workdir)
-    out, results = [], {"gpus": args.gpus, "sentences": args.sentences, "correctness": None,
-                        "graphs_check": None, "scaling": None}
+    out, results_so_far = [], {}
 
     def save():
-        if args.json:
-            write_json(args.json, info, results)
+        rows = result_rows(results_so_far)
+        if args.json and rows:
+            results.write(args.json, info, rows, gpus=args.gpus, sentences=args.sentences)
 
     if not args.skip_correctness:
         def step(figures):  # after each run: a call cut short keeps the runs that finished
-            results["correctness"] = figures
+            results_so_far["correctness"] = figures
             save()
 
-        text, results["correctness"] = correctness(data, args, step)
+        text, results_so_far["correctness"] = correctness(data, args, step)
         out.append(text)
         save()
         print(text, flush=True)
     if args.graphs_check:
-        text, results["graphs_check"] = graphs_check(args)
+        text, results_so_far["graphs_check"] = graphs_check(args)
         out.append(text)
         save()
         print(text, flush=True)
     if args.profile:
-        text, results["profiles"] = profiles(data, args)
+        text, results_so_far["profiles"] = profiles(data, args)
         out.append(text)
         save()
         print(text, flush=True)
     if not args.skip_scaling:
         def partial(rows):
-            results["scaling"] = {"epochs": args.scaling_epochs, "rows": add_ratios(rows)}
+            results_so_far["scaling"] = {"epochs": args.scaling_epochs, "rows": add_ratios(rows)}
             save()
 
         rows = scaling(data, args, partial)
@@ -689,11 +574,11 @@ def graphs_check(args, sentences=4000, updates=100):
 
 
 def profiles(data, args):
-    """Where an update's time goes on 1 and N GPUs (bench/profile_summary.py in every worker), and
+    """Where an update's time goes on 1 and N GPUs (the profiler probe in every worker), and
     where the host waits for the GPU. On N GPUs each update is split per rank into NCCL kernels
     (transfer, plus waiting for the slower rank), other kernels and idle GPU time: a rank's
     compute next to the other's shows how unequal the ranks' batches are. With
-    ``--profile-timelines``, bench/update_timeline.py's split of each update after its backward.
+    ``--profile-timelines``, benchlib/update_timeline.py's split of each update after its backward.
     Returns (the text, the figures as data)."""
     mt, found, lines, timelines = args.max_tokens[0], [], [], []
     at, steps = args.profile_at, args.profile_steps
@@ -704,13 +589,13 @@ def profiles(data, args):
             os.makedirs(d, exist_ok=True)
             # beside the results ($OUT): the JSON has the per-update rows and host profile
             out = os.path.join(LOG_DIR, f"profile_{variant}_{backend}_{gpus}gpu_{{rank}}.json")
-            env = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_STEPS": str(steps),
+            probes = {"BENCH_PROFILE_AT": str(at), "BENCH_PROFILE_STEPS": str(steps),
                    "BENCH_PROFILE_OUT": out,
                    "BENCH_PROFILE_TIMELINE": "1" if args.profile_timelines else ""}
             name = f"{variant} ({backend}), {gpus} GPU{'s' if gpus > 1 else ''}"
             try:
-                train(data, variant, mt, gpus, 1, at + steps + 2 + profile_summary.PY_STEPS + 1, d,
-                      ["--no-save"], backend, env_extra=env)
+                train(data, variant, mt, gpus, 1, at + steps + 2 + e2e.PROFILE_PY_STEPS + 1, d,
+                      ["--no-save"], backend, env_extra=probes)
                 ranks = []
                 for r in range(gpus):
                     with open(out.format(rank=r)) as f:
@@ -739,7 +624,7 @@ def profiles(data, args):
                 f"{site} {n:.1f}" for site, n in s["host_syncs_per_step_by_site"][:8]))
     split = update_timeline.summarize(timelines) if timelines else None
     if split:
-        lines.append("\nAfter the backward (bench/update_timeline.py): " + update_timeline.markdown(
+        lines.append("\nAfter the backward (benchlib/update_timeline.py): " + update_timeline.markdown(
             split))
     return "\n".join(head + lines), {"max_tokens": mt, "at": at, "steps": steps,
                                     "profiles": found, "update_timeline": split}

@@ -13,15 +13,15 @@ validation loss, then a verdict per variant against the baseline.
 Corpora and their recipes (``--corpus``):
 
 * ``real`` (the default, the gate): real English→German text from the machine's gettext
-  catalogs (``bench/real_corpus.py``: ~50k message/translation pairs, word level, lower-cased,
-  joined dictionary, 1,000 test pairs). Recipe: fairseq's base ``transformer``, 3,000 updates of
+  catalogs (``bench/benchlib/real_corpus.py``: ~50k message/translation pairs, word level,
+  lower-cased, joined dictionary, 1,000 test pairs). Recipe: fairseq's base ``transformer``, 3,000 updates of
   4,096 tokens, lr 7e-4, 1,000 warm-up updates, dropout 0.3. A variant passes with n >= 5 seeds
   when its mean BLEU is within ±1.0 of the baseline's, its mean length ratio within ±0.03, and its
   mean count of degenerate hypotheses at most 20% above the baseline's. Models here are not
   converged and can loop, as real models do, which is what the gate is for.
-* ``synthetic`` (a quick smoke test): ``bench/learnable_corpus.py``'s deterministic transduction
-  (~11k word types a side). Recipe: a 3+3-layer, 256-wide Transformer, 1,500 updates, lr 1e-3,
-  dropout 0.1; converged at BLEU ~99, so it cannot see a model that loops. Band ±0.5 BLEU,
+* ``synthetic`` (a quick smoke test): the learnable corpus's deterministic transduction
+  (``ls_fairseq.testing.learnable_corpus``, ~11k word types a side). Recipe: a 3+3-layer,
+  256-wide Transformer, 1,500 updates, lr 1e-3, dropout 0.1; converged at BLEU ~99, so it cannot see a model that loops. Band ±0.5 BLEU,
   ±0.03 length, n >= 3.
 * a directory ``DIR/{train,valid,test}.{SRC,TGT}`` of tokenised text: the real recipe.
 
@@ -46,7 +46,7 @@ ls_off             ``ls`` with LS_FAIRSEQ_KERNELS=off (the PyTorch reference pat
 optimizer_sync     ``optimizer`` + --ls-no-deferred-overflow-check (fused copy, fairseq's check)
 optimizer_unfused  ``optimizer`` + --ls-no-fused-fp16-copy (fairseq's FP16Optimizer copies)
 optimizer_off      ``optimizer`` with LS_FAIRSEQ_KERNELS=off (the PyTorch Adam reference)
-optimizer_shadow   ``optimizer`` under bench/adam_shadow.py: every step checked against
+optimizer_shadow   ``optimizer`` under benchlib/probes/adam_shadow.py: every step checked against
                    fairseq's Adam formula on the same inputs (its summary lands in the row)
 ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL's all-reduce)
 ls_whole_step      ``ls`` + --ls-no-sharded-optimizer-step (several GPUs: Adam on every GPU)
@@ -57,7 +57,8 @@ ls_fp8             ``ls`` + --ls-fp8 (FP8 linear layers; ls_fp8_ffn / ls_fp8_att
 Beside the verdict, not part of it: the medians' Δ BLEU, the runs more than 1.5 BLEU below their
 variant's median ("low"), each run's fp16 overflows and final loss scale, and the training loss
 curves against the baseline's (the seed means' difference at each logged update from 300 on).
-``--tables-from JSON`` prints the tables of a saved ``--json`` again.
+``--tables-from JSON`` prints the tables of a saved ``--json`` again. ``--json`` writes
+benchlib/results.py's schema: each run a row, the summary and the recipe beside them.
 
 ``--gpus N`` trains every run on N GPUs with fairseq's own data parallelism (one process per GPU,
 ``--ddp-backend`` as fairseq's default unless given); all runs share those N GPUs, each with its
@@ -69,7 +70,6 @@ takes N times the tokens of a 1-GPU run: pass ``--max-tokens X/N`` to train as a
 """
 import argparse
 import concurrent.futures
-import datetime
 import fcntl
 import json
 import math
@@ -81,12 +81,9 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-USER_DIR = os.path.join(ROOT, "ls_fairseq")
-import e2e  # noqa: E402  (its corpus binarisation)
-import learnable_corpus  # noqa: E402
-import real_corpus  # noqa: E402
+from benchlib import corpora, env, logs, results
+
+USER_DIR = env.USER_DIR
 
 FAIRSEQ = ("transformer", "label_smoothed_cross_entropy", "adam")
 VARIANTS = {
@@ -187,11 +184,10 @@ def distributed_flags(a, port):
 
 def train_cmd(a, data, variant, seed, save_dir, port=None):
     v = VARIANTS[variant]
-    runner = [os.path.join(HERE, "adam_shadow.py"), "--out",
-              os.path.join(save_dir, "shadow.jsonl"), "--"] if v.get("shadow") else \
-        ["-m", "fairseq_cli.train"]
+    runner = env.probe_cmd("adam_shadow", "--out", os.path.join(save_dir, "shadow.jsonl"),
+                           "--") if v.get("shadow") else env.fairseq_cmd("train")
     cmd = [
-        sys.executable, *runner, data, "--arch", v["arch"],
+        *runner, data, "--arch", v["arch"],
         "--share-all-embeddings", "--optimizer", v["optimizer"], "--adam-betas", "(0.9, 0.98)",
         "--clip-norm", "0.0", "--lr", str(a.lr), "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", str(a.warmup_updates), "--dropout", str(a.dropout),
@@ -212,7 +208,7 @@ def train_cmd(a, data, variant, seed, save_dir, port=None):
 def generate_cmd(a, data, variant, save_dir):
     # fairseq-generate's own length limit (200 tokens): a looping hypothesis shows in full;
     # one GPU whatever --gpus (no distributed flags), as users decode
-    cmd = [sys.executable, "-m", "fairseq_cli.generate", data, "--path",
+    cmd = env.fairseq_cmd("generate") + [data, "--path",
            os.path.join(save_dir, "checkpoint_best.pt"), "--gen-subset", "test", "--beam",
            str(a.beam), "--lenpen", str(a.lenpen), "--batch-size", "128"] + (
                [] if a.cuda else ["--cpu"])
@@ -230,15 +226,15 @@ def job_list(variants, seeds, port_base):
 
 def run_envs(a, variant):
     """The environments of fairseq-train and fairseq-generate for one run."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **VARIANTS[variant].get("env", {}))
+    train = dict(os.environ, OMP_NUM_THREADS="1", **VARIANTS[variant].get("env", {}))
     # plain fairseq (the baseline's decoder) loads its checkpoints only with torch's unsafe
     # loader under torch >= 2.6; the same loader for every variant
-    gen = dict(env, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    gen = dict(train, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
     if a.gpus > 1:
-        gpus = e2e.visible_gpus(a.gpus)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # fairseq spawns one process per device
+        gpus = env.visible_gpus(a.gpus)
+        train["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # fairseq spawns one process per device
         gen["CUDA_VISIBLE_DEVICES"] = gpus[0]
-    return env, gen
+    return train, gen
 
 
 def setup_text(a):
@@ -254,29 +250,24 @@ def setup_text(a):
     return text
 
 
-VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \| nll_loss ([0-9.]+) \|"
-                        r".*?num_updates (\d+)")
-UPDATES = re.compile(r"num_updates (\d+)")
-LOSS_SCALE = re.compile(r"\bloss_scale[= ]([0-9.e+-]+)")
 SHADOW = re.compile(r"^SHADOW_SUMMARY (\{.*\})$", re.M)
-# fairseq's simple format: "epoch 001:    100 / 344 loss=9.1, nll_loss=..., num_updates=100, ..."
-TRAIN_INNER = re.compile(r"\bloss=([0-9.]+),.*?\bnum_updates=(\d+)")
 
 
 def parse_train_log(text):
     """The run's last validation loss, updates and fp16 overflows, and its curves as
     [update, loss] pairs: training loss at each log interval, validation loss at each epoch end
-    (where a bad run parts from the others)."""
-    valid = VALID_LINE.findall(text)
-    updates = UPDATES.findall(text)
-    scales = LOSS_SCALE.findall(text)
-    row = dict(valid_loss=float(valid[-1][0]) if valid else None,
-               valid_nll=float(valid[-1][1]) if valid else None,
-               updates=int(updates[-1]) if updates else None,
+    (where a bad run parts from the others). The log is read by ``ls-fairseq-compare``'s parser
+    (benchlib/logs.py)."""
+    run = logs.parse(text)
+    valid = [r for r in run.valid if r.get("subset", "valid") == "valid" and r.get("loss") is not None]
+    scales = [r["loss_scale"] for r in run.records if r.get("loss_scale") is not None]
+    row = dict(valid_loss=valid[-1]["loss"] if valid else None,
+               valid_nll=valid[-1].get("nll_loss") if valid else None,
+               updates=int(max(r["num_updates"] for r in run.records)) if run.records else None,
                overflows=text.count("gradient overflow detected"),
-               loss_scale=float(scales[-1]) if scales else None,
-               train_curve=[[int(u), float(l)] for l, u in TRAIN_INNER.findall(text)],
-               valid_curve=[[int(u), float(l)] for l, _, u in valid])
+               loss_scale=scales[-1] if scales else None,
+               train_curve=[[int(u), loss] for u, loss in logs.losses(run)],
+               valid_curve=[[int(r["num_updates"]), r["loss"]] for r in valid])
     shadow = SHADOW.findall(text)
     if shadow:
         row["shadow"] = json.loads(shadow[-1])
@@ -333,7 +324,7 @@ def run_one(a, data, variant, seed, raw_refs, lock, port=None):
     run_dir = os.path.join(a.workdir, "runs", name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    env, gen_env = run_envs(a, variant)
+    train_env, gen_env = run_envs(a, variant)
     # the GPU count in every row: 1- and N-GPU results cannot be mixed up
     row = dict(variant=variant, seed=seed, gpus=a.gpus)
     if a.ddp_backend:
@@ -343,7 +334,7 @@ def run_one(a, data, variant, seed, raw_refs, lock, port=None):
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
         rc = subprocess.run(train_cmd(a, data, variant, seed, run_dir, port), stdout=log,
-                            stderr=subprocess.STDOUT, env=env).returncode
+                            stderr=subprocess.STDOUT, env=train_env).returncode
     row["train_s"] = round(time.time() - t0, 1)
     with open(os.path.join(run_dir, "train.log")) as f:
         row.update(parse_train_log(f.read()))
@@ -531,13 +522,9 @@ def cuda_device_count():
     return torch.cuda.device_count()
 
 
-def device_name():
-    try:
-        import torch
-
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "unknown"
+def device_name(a):
+    """The GPUs' names (no CUDA context in this process), or "cpu"."""
+    return ", ".join(env.gpu_names()) if a.cuda else "cpu"
 
 
 def prepare_corpus(a):
@@ -551,24 +538,24 @@ def prepare_corpus(a):
         if a.corpus == "synthetic":
             text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
             if not os.path.exists(os.path.join(text_dir, "test.de")):
-                learnable_corpus.write_corpus(text_dir, train=a.train_sentences)
+                corpora.write_learnable_sentences(text_dir, train=a.train_sentences)
             src, tgt = "en", "de"
         elif a.corpus == "real":
             text_dir = os.path.join(a.workdir, "real_gettext")
             if not os.path.exists(os.path.join(text_dir, "corpus.json")):
-                real_corpus.write_corpus(text_dir)
+                corpora.write_real(text_dir)
             src, tgt = "en", "de"
         else:
             text_dir = a.corpus
-        return text_dir, e2e.preprocess(text_dir, 8, src, tgt), src, tgt
+        return text_dir, corpora.preprocess(text_dir, 8, src, tgt), src, tgt
 
 
 def arg_parser():
     """The bench's options; their defaults are the recipe (bench/cpu_curve.py trains it too)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", default="real",
-                   help="'real' (the gate: gettext catalogs, bench/real_corpus.py), 'synthetic' "
-                        "(a smoke test: bench/learnable_corpus.py) or a directory of tokenised "
+                   help="'real' (the gate: gettext catalogs, bench/benchlib/real_corpus.py), "
+                        "'synthetic' (a smoke test: the learnable corpus) or a directory of tokenised "
                         "text {train,valid,test}.{SRC,TGT} (the real recipe)")
     p.add_argument("--langs", default="en,de", help="SRC,TGT file suffixes of --corpus DIR")
     p.add_argument("--train-sentences", type=int, default=120000,
@@ -609,7 +596,8 @@ def arg_parser():
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--json", help="write the rows and summary here")
     p.add_argument("--markdown", help="write the tables here")
-    p.add_argument("--commit", default=os.environ.get("LS_BENCH_COMMIT", "unknown"))
+    p.add_argument("--commit", default=None,
+                   help="the commit measured (default: LS_BENCH_COMMIT, else git's HEAD)")
     p.add_argument("--tables-from", metavar="JSON[,JSON...]",
                    help="print the tables of --json files written earlier (their rows and "
                         "variants together), without training")
@@ -677,13 +665,9 @@ def main(argv=None):
             corpus_info = json.load(f)
     print(f"corpus ready in {time.time() - t0:.0f}s: {data}", flush=True)
 
-    if any(VARIANTS[v]["arch"].startswith("ls_") for v in variants) and \
+    if a.cuda and any(needs_plugin(v) for v in variants) and \
             os.environ.get("LS_FAIRSEQ_KERNELS", "auto") != "off":
-        t1 = time.time()  # build the extension once, before the runs load it concurrently
-        from ls_fairseq.ops import _extension
-
-        print("extension", "ok" if _extension.load() else "FAILED: " +
-              _extension.failure_reason()[-2000:], f"{time.time() - t1:.0f}s", flush=True)
+        env.build_extension()  # once, before the runs load it concurrently
 
     lock = threading.Lock()
     with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
@@ -691,25 +675,24 @@ def main(argv=None):
 
     summary = summarize(rows, variants, a.recipe)
     text = tables(rows, summary)
-    head = (f"Quality parity: {device_name()}, {setup_text(a)}, {datetime.date.today()}, "
-            f"commit {a.commit}, corpus {a.corpus}, model {a.model}, beam {a.beam}, "
+    command = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    info = results.header("bench/quality.py", f"translation quality of {', '.join(variants)} "
+                          f"against fairseq's baseline, {a.corpus} corpus, seeds {a.seeds}",
+                          command, device=device_name(a), commit=a.commit)
+    head = (f"Quality parity: {info['device']}, {setup_text(a)}, {info['date']}, "
+            f"commit {info['commit']}, corpus {a.corpus}, model {a.model}, beam {a.beam}, "
             f"seeds {a.seeds}; {time.time() - t0:.0f}s in all")
     print("\n" + head + "\n\n" + text, flush=True)
     if a.markdown:
         with open(a.markdown, "w") as f:
-            f.write(head + "\n\nCommand: `python bench/quality.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]) + "`\n\n" + text + "\n")
+            f.write(head + "\n\nCommand: `" + command + "`\n\n" + text + "\n")
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(dict(device=device_name(), date=str(datetime.date.today()),
-                           commit=a.commit, corpus=a.corpus, corpus_info=corpus_info,
-                           recipe=a.recipe, lr=a.lr, warmup_updates=a.warmup_updates,
-                           dropout=a.dropout, model=a.model,
-                           max_update=a.max_update, max_tokens=a.max_tokens, gpus=a.gpus,
-                           ddp_backend=a.ddp_backend, update_freq=a.update_freq,
-                           setup=setup_text(a), beam=a.beam, seeds=seeds, rows=rows,
-                           summary=summary), f, indent=1)
+        results.write(a.json, info, rows, corpus=a.corpus, corpus_info=corpus_info,
+                      recipe=a.recipe, lr=a.lr, warmup_updates=a.warmup_updates,
+                      dropout=a.dropout, model=a.model, max_update=a.max_update,
+                      max_tokens=a.max_tokens, gpus=a.gpus, ddp_backend=a.ddp_backend,
+                      update_freq=a.update_freq, setup=setup_text(a), beam=a.beam, seeds=seeds,
+                      summary=summary)
     return summary
 
 

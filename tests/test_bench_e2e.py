@@ -2,14 +2,17 @@
 against the first baseline of its --max-tokens, with ``ls-fairseq-compare``'s statistics, whose
 definitions tests/test_compare.py checks on closed-form curves; here, that e2e applies them per
 batch size and to the right reference, also after a JSON round trip, whose keys are strings), what
-counts as a run that does not fit, the GEMM probe's parsing, the steady-state intervals timed by
-the wrapper's stamps (also in a tiny real fairseq-train on CPU), and the largest-batch bisection."""
+counts as a run that does not fit, the steady-state intervals timed by the probes' stamps, a run's
+row from the log of a real (tiny, CPU) fairseq-train with the probes on (the shared
+``probed_run``), the largest-batch bisection and the results file."""
 import json
-import sys
+import os
 
 import pytest
 
 import e2e  # bench/ (pytest.ini's pythonpath)
+from benchlib import corpora, env, logs, results
+from test_bench_base import probed_run, tiny_corpus  # noqa: F401  (shared fixtures)
 
 
 def _row(variant, max_tokens, curve, overflows=0, skipped=()):
@@ -65,26 +68,6 @@ def test_a_run_with_batches_skipped_for_memory_does_not_count():
     assert e2e.run_failure(0, "| train | {\"loss\": \"10.4\"}") is None
 
 
-def test_gemm_rate_is_read_from_the_probe_and_missing_without_it(monkeypatch):
-    """The GEMM probe runs in a subprocess (no CUDA context in the benchmark's own process); its
-    figure is parsed from its output, and a probe that printed none (no GPU) gives None."""
-    class Done:
-        def __init__(self, stdout):
-            self.stdout = stdout
-
-    seen = []
-
-    def fake_run(cmd, **kwargs):
-        seen.append(cmd)
-        return Done(outputs.pop(0))
-
-    outputs = ["warming up\nBENCH_GEMM_TFLOPS 712.25\n", "Traceback: no CUDA\n"]
-    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
-    assert e2e.gemm_tflops() == 712.25
-    assert e2e.gemm_tflops() is None
-    assert all(cmd[1] == "-c" and "BENCH_GEMM_TFLOPS" in cmd[2] for cmd in seen)
-
-
 def test_steady_intervals_are_timed_from_stamp_to_stamp():
     """Two epochs of three logged intervals; fairseq's own interval figures (wps) leave out a
     wait at each log, the stamps (one per interval, at its end) do not: the steady figure is the
@@ -93,8 +76,8 @@ def test_steady_intervals_are_timed_from_stamp_to_stamp():
     for k, (epoch, updates, wpb, wps) in enumerate([
             (1, 10, 100.0, 1000.0), (1, 20, 100.0, 1000.0), (1, 25, 120.0, 1000.0),
             (2, 35, 100.0, 900.0), (2, 45, 100.0, 2000.0), (2, 50, 80.0, 2000.0)]):
-        inner.append({"epoch": str(epoch), "num_updates": str(updates), "wpb": str(wpb),
-                      "wps": str(wps)})
+        inner.append({"epoch": float(epoch), "num_updates": float(updates), "wpb": wpb,
+                      "wps": wps})
     ends = [1.0, 2.0, 2.5, 9.0, 10.25, 11.0]
     # epoch 2 without its first interval: 10 updates x 100 + 5 x 80 tokens in 1.25 + 0.75 s
     assert e2e.interval_wps(inner, 2, ends) == (1000 + 400) / 2.0
@@ -106,40 +89,42 @@ def test_steady_intervals_are_timed_from_stamp_to_stamp():
     assert e2e.interval_wps(inner, 2, ends[:-1]) == fairseq_2
 
 
-def test_interval_stamps_are_read_in_order_from_the_log():
-    log = ("BENCH_TOTAL_BYTES 1\n2026 | INFO | train_inner | {\"epoch\": 1}\n"
-           "BENCH_INTERVAL_END 12.5\nnoise BENCH_INTERVAL_END 99\nBENCH_INTERVAL_END 1.25e+03\n")
-    assert e2e.interval_ends(log) == [12.5, 1250.0]
+def test_the_probes_stamp_every_logged_interval_of_a_real_fairseq_train(probed_run):
+    """The stamps come from patching fairseq's ``metrics.reset_meters`` as it is imported (the
+    probes' sitecustomize): a real fairseq-train must print exactly one per logged interval, or
+    the steady figure silently falls back to fairseq's own interval meters."""
+    run = logs.parse(probed_run)
+    ends = logs.interval_ends(probed_run)
+    assert sorted(run.epochs) == [1, 2, 3] and len(run.inner) >= 6
+    assert len(ends) == len(run.inner) and ends == sorted(ends)
+    assert e2e.interval_wps(run.inner, 3, ends) > 0
 
 
-def tiny_cpu_train_args(data, epochs):
-    """fairseq-train's arguments (after the program) for a one-layer model on the CPU, logging
-    every 2 updates as JSON: the real log format, in seconds (also tests/test_bench_multi_gpu.py)."""
-    return [data, "--arch", "transformer_iwslt_de_en", "--encoder-layers", "1", "--decoder-layers",
-            "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-            "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-            "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--optimizer",
-            "adam", "--lr", "1e-3", "--max-tokens", "300", "--max-epoch", str(epochs), "--cpu",
-            "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "2",
-            "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy"]
+def test_a_runs_row_from_its_log(probed_run):
+    """row_of_log on the real log: fairseq's epoch figures, the timed steady intervals, the loss
+    curve; no memory figures on the CPU (fairseq never resets a CUDA peak counter there)."""
+    row = e2e.row_of_log(probed_run, "baseline_nocudnn", 300, 800.0)
+    run = logs.parse(probed_run)
+    assert row["wps_by_epoch"] == [run.epochs[e]["wps"] for e in (1, 2, 3)]
+    assert row["wps_unseen"] == run.epochs[1]["wps"] and row["wps_steady"] == run.epochs[3]["wps"]
+    assert row["updates_through_epoch"] == [int(run.epochs[e]["num_updates"]) for e in (1, 2, 3)]
+    assert row["intervals_timed"] and row["wps_steady_intervals"] > 0
+    assert list(row["loss_by_update"].items()) == [(u, loss) for u, loss in logs.losses(run)]
+    assert row["loss_first"] > row["loss_last"]
+    assert row["peak_gb"] is row["reserved_gb"] is row["device_gb"] is None
+    assert row["fp16_overflows"] == 0 and row["skipped_update_intervals"] == []
 
 
-def test_the_wrapper_stamps_every_logged_interval_of_a_real_fairseq_train(tmp_path):
-    """The stamps come from patching fairseq's ``metrics.reset_meters`` in e2e's wrapper: a real
-    (tiny, CPU) fairseq-train must print exactly one per logged interval, or the steady figure
-    silently falls back to fairseq's own interval meters."""
-    e2e.make_corpus(str(tmp_path), 120, 300)
-    data = e2e.preprocess(str(tmp_path), 1)
-    cmd = [sys.executable, "-c", e2e.WRAPPER] + tiny_cpu_train_args(data, epochs=2)
-    proc = e2e.subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    inner, epochs, _, _ = e2e.parse_log(log)
-    ends = e2e.interval_ends(log)
-    assert sorted(epochs) == [1, 2] and len(inner) >= 4
-    assert len(ends) == len(inner)
-    assert ends == sorted(ends)
-    assert e2e.interval_wps(inner, 2, ends) > 0
+def test_memory_figures_come_from_the_sampler_and_fairseqs_gb_free():
+    log = ('2026-11-26 10:00:00 | INFO | train_inner | {"epoch": 1, "loss": "9.0", "wps": "10", '
+           '"wpb": "5", "num_updates": "10", "gb_free": "70.5"}\n'
+           '2026-11-26 10:00:01 | INFO | train | {"epoch": 1, "train_loss": "9.0", '
+           '"train_wps": "10", "train_ups": "2", "train_wpb": "5", "train_num_updates": "10"}\n'
+           f"BENCH_MEMORY rank=0 total={80 * 2**30} reserved_max={12 * 2**30} "
+           f"used_max={13 * 2**30}\n")
+    row = e2e.row_of_log(log, "ls", 8192, 800.0)
+    assert row["peak_gb"] == pytest.approx(9.5)  # total - min(gb_free): peak allocated
+    assert row["reserved_gb"] == 12.0 and row["device_gb"] == 13.0
 
 
 def test_largest_that_fits_bisects_over_full_runs():
@@ -176,9 +161,11 @@ def test_largest_mode_runs_the_bisection_per_variant_and_stops_on_other_failures
     """main() with --largest: each variant bisected on its own limit, every probe a row of the
     tables, the summary table and JSON name the sizes; a failure that is not memory stops it."""
     limits = {"baseline_nocudnn": 57344, "ls_deferred": 131072}
-    monkeypatch.setattr(e2e, "make_corpus", lambda *a, **k: 28.0)
-    monkeypatch.setattr(e2e, "preprocess", lambda *a, **k: str(tmp_path))
-    monkeypatch.setattr(e2e, "gemm_tflops", lambda: None)
+    monkeypatch.setattr(corpora, "write_learnable_wmt", lambda *a, **k: 28.0)
+    monkeypatch.setattr(corpora, "preprocess", lambda *a, **k: str(tmp_path))
+    monkeypatch.setattr(env, "gemm_tflops", lambda: None)
+    monkeypatch.setattr(env, "gpu_names", lambda: ["NVIDIA H100 80GB HBM3"])
+    monkeypatch.setenv("LS_BENCH_COMMIT", "abc1234")
 
     def fake_run(data, variant, max_tokens, args, log_dir, profile_at=None, extra=()):
         if max_tokens > limits[variant]:
@@ -187,15 +174,17 @@ def test_largest_mode_runs_the_bisection_per_variant_and_stops_on_other_failures
 
     monkeypatch.setattr(e2e, "run_variant", fake_run)
     out_md, out_json = tmp_path / "e2e.md", tmp_path / "e2e.json"
-    monkeypatch.setattr(sys, "argv", ["e2e.py", "--workdir", str(tmp_path), "--log-dir",
-                                      str(tmp_path / "logs"), "--largest", "32768", "163840",
-                                      "8192", "--variants", "baseline_nocudnn,ls_deferred",
-                                      "--markdown", str(out_md), "--json", str(out_json)])
-    e2e.main()
+    argv = ["--workdir", str(tmp_path), "--log-dir", str(tmp_path / "logs"), "--largest", "32768",
+            "163840", "8192", "--variants", "baseline_nocudnn,ls_deferred",
+            "--markdown", str(out_md), "--json", str(out_json)]
+    e2e.main(argv)
     text = out_md.read_text()
     assert "| baseline_nocudnn | 57344 | 65536 |" in text
     assert "| ls_deferred | 131072 | 139264 |" in text
-    saved = json.loads(out_json.read_text())
+    saved = results.load(str(out_json))
+    assert saved["script"] == "bench/e2e.py" and saved["commit"] == "abc1234"
+    assert saved["command"] == "python bench/e2e.py " + " ".join(argv)
+    assert saved["device"] == "NVIDIA H100 80GB HBM3" and saved["torch"] == env.torch_version()
     assert saved["largest"] == {"baseline_nocudnn": [57344, 65536], "ls_deferred": [131072, 139264]}
     tried = [(r["variant"], r["max_tokens"]) for r in saved["rows"]]
     assert ("ls_deferred", 163840) in tried and ("baseline_nocudnn", 65536) in tried
@@ -205,7 +194,7 @@ def test_largest_mode_runs_the_bisection_per_variant_and_stops_on_other_failures
         {"variant": variant, "max_tokens": mt, "error": "Traceback: KeyError"}
         if variant == "ls_deferred" else {"variant": variant, "max_tokens": mt}))
     with pytest.raises(SystemExit, match="another reason than memory"):
-        e2e.main()
+        e2e.main(argv)
 
 
 def test_attention_ab_variants_set_the_backend(monkeypatch, tmp_path):
@@ -222,9 +211,26 @@ def test_attention_ab_variants_set_the_backend(monkeypatch, tmp_path):
 
     monkeypatch.setattr(e2e.subprocess, "run", fake_subprocess_run)
     monkeypatch.delenv("LS_FAIRSEQ_ATTENTION", raising=False)
-    args = type("Args", (), {"epochs": 1, "seed": 1, "extra": []})()
+    args = type("Args", (), {"epochs": 1, "seed": 1, "extra": [], "peak_tflops": 800.0})()
     for variant in ("ls_deferred", "ls_deferred_short", "ls_deferred_efficient"):
         row = e2e.run_variant(str(tmp_path), variant, 4096, args, str(tmp_path))
         assert "stopped by the test" in row["error"]
     assert set(seen) == {None, "short", "efficient"}
     assert seen["short"] == seen["efficient"] == seen[None]  # the same fairseq-train command
+    assert seen[None][:3] == env.fairseq_cmd("train")
+
+
+def test_variants_the_probes_and_unknown_names(monkeypatch):
+    """Every run carries the memory sampler and the stamps (the sitecustomize on its path);
+    cuDNN attention is off for baseline_nocudnn only; an unknown variant is a one-line error."""
+    monkeypatch.delenv("LS_FAIRSEQ_KERNELS", raising=False)
+    base, nocudnn, ls = (e2e.train_env(v) for v in ("baseline", "baseline_nocudnn", "ls"))
+    for e in (base, nocudnn, ls):
+        assert e["BENCH_MEMORY"] == e["BENCH_STAMPS"] == "1"
+        assert e["PYTHONPATH"].split(os.pathsep)[0] == env.SITE_DIR
+    assert (base["BENCH_CUDNN_SDPA"], nocudnn["BENCH_CUDNN_SDPA"]) == ("1", "0")
+    assert ls["LS_FAIRSEQ_KERNELS"] == "require" and "LS_FAIRSEQ_KERNELS" not in base
+    assert "--user-dir" in e2e.train_cmd("d", "ls", 8192, 2, 1, [])
+    assert "--user-dir" not in e2e.train_cmd("d", "baseline", 8192, 2, 1, [])
+    with pytest.raises(SystemExit):
+        e2e.main(["--variants", "baseline,ls_nope"])

@@ -1,13 +1,14 @@
-"""bench/fp8_linear.py: the linears it times are the ones the ls_ model runs through
+"""``bench/kernels.py fp8_linear`` (bench/benchlib/kernels/fp8_linear.py): the linears it times are the ones the ls_ model runs through
 fp8_linear in training (counted per side and shape against the architecture), and its rows and
 per-step totals add up as its docstring says. On the CPU only the reference path runs: this checks
 the script, not speed."""
-import json
 import os
 
 import pytest
 
-import fp8_linear  # bench/ (pytest.ini's pythonpath)
+import kernels  # bench/kernels.py (pytest.ini's pythonpath)
+from benchlib import results
+from benchlib.kernels import fp8_linear
 from ls_fairseq.modules import sublayers
 
 D, FFN, LAYERS = 32, 48, 2
@@ -58,8 +59,10 @@ def test_rows_and_step_totals(tmp_path):
         assert sum(r["calls"] for r in mine) == sum(calls.values())
         for key in ("linear_16bit", "linear_fp8", "gemms_16bit", *fp8_linear.PARTS, "rest"):
             assert step[key] == pytest.approx(sum(r["calls"] * r[key] for r in mine)), key
-    data = json.loads(out.read_text())
-    assert data["rows"] == rows and data["device"] == "cpu"
+    data = results.load(str(out))
+    assert data["rows"] == rows and data["device"] == "cpu" and data["steps"] == steps
+    assert data["script"] == "bench/kernels.py"
+    assert data["command"].startswith("python bench/kernels.py fp8_linear --arch ls_transformer")
     assert sum(c["calls"] for c in data["calls"]) == sum(calls.values())
 
 
@@ -67,5 +70,19 @@ def test_cuda_without_a_gpu_is_an_error(capsys):
     if fp8_linear.torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit):
-        fp8_linear.main(["--arch", "ls_transformer", "--model-args", TINY])
+        kernels.main(["fp8_linear", "--arch", "ls_transformer", "--model-args", TINY])
     assert "--device cuda: no GPU here" in capsys.readouterr().err
+
+
+def test_the_sub_commands(capsys):
+    """bench/kernels.py lists its sub-commands without importing them; a wrong name is a
+    one-line error; each sub-command's module has a main(argv)."""
+    import importlib
+
+    assert kernels.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"``{name}``" in out for name in kernels.SUBCOMMANDS)
+    with pytest.raises(SystemExit, match="unknown sub-command 'nope'"):
+        kernels.main(["nope"])
+    for name in kernels.SUBCOMMANDS:
+        assert callable(importlib.import_module(f"benchlib.kernels.{name}").main)

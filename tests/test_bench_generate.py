@@ -1,15 +1,15 @@
 """bench/generate.py on the CPU: the parsing of fairseq-generate's output (its summary line and
 H-/T- lines), the command lines of both sides, the rows (speedup, identical share, dtype notes,
-the issue's targets), the start-up checks, and one tiny real run of the whole pipeline (corpus,
+the decoding targets), the start-up checks, and one tiny real run of the whole pipeline (corpus,
 ls_ training, conversion, fairseq-generate on both sides) whose fp32 hypotheses must be identical.
 """
-import json
 from types import SimpleNamespace
 
 import pytest
 
 import generate  # bench/ (pytest.ini's pythonpath)
 import quality
+from benchlib import env, results
 
 # fairseq-generate's output, as fairseq 0.12 prints it (stdout: S-/T-/H-/D-/P- lines; stderr: the
 # log, in fairseq's own format or, when a plugin configured logging first, Python's default)
@@ -275,10 +275,11 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
         assert r["fairseq_model_dtype"] == r["ls_model_dtype"] == "float32"
         assert r["fairseq_bleu"] == r["ls_bleu"] and r["notes"] == []
     assert rows[0]["ls_ms_per_sentence"] == pytest.approx(1000 / rows[0]["ls_sent_s"])
-    data = json.loads(out.read_text())
+    data = results.load(str(out))
     assert data["device"] == "cpu" and data["models"]["tiny"]["updates"] == 10
+    assert data["script"] == "bench/generate.py" and data["torch"] == env.torch_version()
     assert data["models"]["tiny"]["fairseq_arch"] == "transformer"
     assert len(data["rows"]) == 2 and all(ok for _, ok in data["targets"])
     md = (tmp_path / "g.md").read_text()
-    assert "| tiny | fp32 | 1 | 16 |" in md and "Targets (issue 36)" in md
+    assert "| tiny | fp32 | 1 | 16 |" in md and "Targets:" in md
     assert len(list((tmp_path / "w" / "runs").iterdir())) == 4

@@ -1,9 +1,10 @@
-"""bench/profile_summary.py's split of an update's GPU period, and bench/multi_gpu.py's per-rank
+"""The profiler probe's (bench/benchlib/probes/profile_summary.py) split of an update's GPU period, and bench/multi_gpu.py's per-rank
 table built on it: synthetic kernel spans (µs) with known unions."""
 import pytest
 
 import multi_gpu  # bench/ (pytest.ini's pythonpath)
-import profile_summary
+from benchlib import update_timeline
+from benchlib.probes import profile_summary
 
 
 def test_an_update_splits_into_compute_nccl_copies_and_idle():
@@ -41,8 +42,6 @@ def test_ranks_table_prints_copies_and_the_cost_of_unequal_batches():
 def test_timeline_file_is_what_update_timeline_reads(tmp_path):
     """write_timeline's columns are update_timeline.load's (a CPU profile has no GPU rows)."""
     import torch
-
-    import update_timeline
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ones(3).add_(1)

@@ -1,10 +1,11 @@
-"""bench/quality.py and bench/learnable_corpus.py on the CPU: the corpus (deterministic, ~11k word
-types a side with Zipf frequencies, target lengths that differ from the source's, WMT-length lines
-for bench/e2e.py), the command lines of each variant, the parsing of fairseq's logs, the scores,
-the verdict against the baseline (closed-form rows), the --gpus N plumbing (fairseq's distributed
-flags, one port per run, CUDA_VISIBLE_DEVICES, the start-up check), and one tiny real run of the
-whole pipeline (fairseq-preprocess, fairseq-train, fairseq-generate, sacreBLEU) with a fairseq and
-an ls_ variant.
+"""bench/quality.py and the learnable corpus (ls_fairseq/testing/learnable_corpus.py) on the CPU:
+the corpus (deterministic, ~11k word types a side with Zipf frequencies, target lengths that
+differ from the source's, WMT-length lines for bench/e2e.py, the small vocabulary of the
+quickstart), the command lines of each variant, the parsing of fairseq's logs, the scores, the
+verdict against the baseline (closed-form rows), the --gpus N plumbing (fairseq's distributed
+flags, one port per run, CUDA_VISIBLE_DEVICES, the start-up check), the real-text corpus, ls_adam's
+step shadow, and one tiny real run of the whole pipeline (fairseq-train, fairseq-generate,
+sacreBLEU) with a fairseq and an ls_ variant on the bench tests' shared corpus.
 """
 import collections
 import json
@@ -15,8 +16,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import learnable_corpus  # bench/ (pytest.ini's pythonpath)
-import quality
+import quality  # bench/ (pytest.ini's pythonpath)
+from benchlib import corpora, real_corpus, results
+from benchlib.probes import adam_shadow
+from ls_fairseq.testing import learnable_corpus
+from test_bench_base import tiny_corpus  # noqa: F401  (the shared corpus)
 
 
 def _read(path):
@@ -94,6 +98,21 @@ def test_wmt_length_lines():
             assert abs(np.mean(got) - length) < 0.2 * length
 
 
+def test_the_quickstarts_small_vocabulary():
+    """synthetic_corpus(n, seed, "small"): the same grammar over ~60 content words a side (a
+    tiny model learns it on a CPU), deterministic, as two lists of tokenised lines; the full
+    lexicon is untouched by the small one's existence (its draws come first)."""
+    en, de = learnable_corpus.synthetic_corpus(300, seed=2, vocabulary="small")
+    assert (en, de) == learnable_corpus.synthetic_corpus(300, seed=2, vocabulary="small")
+    assert len(en) == len(de) == 300 and all(s.endswith(" .") for s in en + de)
+    lex = learnable_corpus.Lexicon(vocabulary="small")
+    assert sum(len(v) for k, v in lex.src.items() if k != "prep") == 61
+    assert len({w for s in en for w in s.split()}) < 120
+    assert learnable_corpus.synthetic_corpus(5)[0] != en[:5]  # the full vocabulary by default
+    with pytest.raises(ValueError, match="vocabulary 'tiny'"):
+        learnable_corpus.Lexicon(vocabulary="tiny")
+
+
 def _args(**kw):
     base = dict(lr=7e-4, warmup_updates=500, dropout=0.3, max_tokens=4096, max_update=100,
                 model="small", cuda=True, beam=5, lenpen=1.0, gpus=1, ddp_backend=None,
@@ -119,7 +138,7 @@ def test_variant_command_lines():
     assert eager[-3:] == ["--ls-no-fused-fp16-copy", "--ls-no-cuda-graphs",
                           "--ls-no-deferred-overflow-check"]
     assert eager[eager.index("--seed") + 1] == "3"
-    for name in ("ls_fp8", "ls_fp8_ffn", "ls_fp8_attention"):  # issue 39: FP8 on the ls command
+    for name in ("ls_fp8", "ls_fp8_ffn", "ls_fp8_attention"):  # FP8 on the ls command
         cmd = quality.train_cmd(a, "bin", name, 1, "run")
         flags = quality.VARIANTS[name]["flags"]
         assert cmd[-len(flags):] == flags and flags[0] == "--ls-fp8"
@@ -255,13 +274,14 @@ def test_too_few_gpus_fail_at_start(monkeypatch, capsys, tmp_path, cuda, count):
 
 
 def test_log_parsing():
-    log = ("2026 | INFO | train_inner | epoch 004:    100 / 375 loss=2.3, nll_loss=0.2, ppl=1.2, "
+    t = "2026-11-26 10:00:00 | INFO"  # fairseq's own prefix
+    log = (f"{t} | train_inner | epoch 004:    100 / 375 loss=2.3, nll_loss=0.2, ppl=1.2, "
            "wps=1000, ups=3, wpb=4000, bsz=150, num_updates=1400, lr=0.0005, gnorm=0.4\n"
-           "2026 | INFO | train | epoch 004 | loss 2.1 | num_updates 1500 | lr 0.0005\n"
+           f"{t} | train | epoch 004 | loss 2.1 | num_updates 1500 | lr 0.0005\n"
            "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 32\n"
-           "2026 | INFO | valid | epoch 003 | valid on 'valid' subset | loss 2.4 | nll_loss 0.3"
+           f"{t} | valid | epoch 003 | valid on 'valid' subset | loss 2.4 | nll_loss 0.3"
            " | ppl 1.2 | wps 1 | wpb 2 | bsz 3 | num_updates 1125\n"
-           "2026 | INFO | valid | epoch 004 | valid on 'valid' subset | loss 2.04 | nll_loss 0.092"
+           f"{t} | valid | epoch 004 | valid on 'valid' subset | loss 2.04 | nll_loss 0.092"
            " | ppl 1.07 | num_updates 1500\n")
     assert quality.parse_train_log(log) == dict(
         valid_loss=2.04, valid_nll=0.092, updates=1500, overflows=1, loss_scale=None,
@@ -385,19 +405,20 @@ def test_loss_curves_against_the_baseline(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_pipeline_end_to_end_on_cpu(tmp_path):
-    """fairseq-preprocess, -train and -generate for a fairseq and an ls_ variant (tiny model, a
-    few updates: the pipeline, not the quality), then the tables and the JSON."""
+def test_pipeline_end_to_end_on_cpu(tmp_path, tiny_corpus):
+    """fairseq-train and -generate for a fairseq and an ls_ variant (tiny model, a few updates:
+    the pipeline, not the quality) on a corpus folder (the real recipe's way in: the bench
+    tests' shared corpus, binarised already), then the tables and the results file."""
     out = tmp_path / "q.json"
-    summary = quality.main(["--corpus", "synthetic", "--train-sentences", "600", "--model",
-                            "tiny", "--max-update", "8",
+    summary = quality.main(["--corpus", tiny_corpus, "--model", "tiny", "--max-update", "8",
                             "--max-tokens", "512", "--warmup-updates", "4", "--variants",
                             "baseline,ls", "--seeds", "1", "--jobs", "2", "--workdir",
                             str(tmp_path / "w"), "--json", str(out), "--markdown",
                             str(tmp_path / "q.md")])
-    data = json.loads(out.read_text())
+    data = results.load(str(out))
+    assert data["script"] == "bench/quality.py" and data["device"] == "cpu"
     assert [r["variant"] for r in data["rows"]] == ["baseline", "ls"]
-    assert data["gpus"] == 1 and data["ddp_backend"] is None
+    assert data["gpus"] == 1 and data["ddp_backend"] is None and data["recipe"] == "real"
     for r in data["rows"]:
         assert "error" not in r, r
         assert r["gpus"] == 1 and "ddp_backend" not in r
@@ -407,6 +428,8 @@ def test_pipeline_end_to_end_on_cpu(tmp_path):
     assert summary["ls"]["n"] == 1 and "pass" in summary["ls"]
     md = (tmp_path / "q.md").read_text()
     assert "| baseline | 1 |" in md and "1 GPU per run, 8 updates of 512 tokens" in md
+    # the saved file prints its tables again
+    assert quality.main(["--tables-from", str(out)]) == summary
 
 
 def test_benches_side_by_side_prepare_the_corpus_once(monkeypatch, tmp_path):
@@ -438,8 +461,8 @@ def test_benches_side_by_side_prepare_the_corpus_once(monkeypatch, tmp_path):
             busy.pop()
         return dest
 
-    monkeypatch.setattr(quality.learnable_corpus, "write_corpus", write_corpus)
-    monkeypatch.setattr(quality.e2e, "preprocess", preprocess)
+    monkeypatch.setattr(corpora, "write_learnable_sentences", write_corpus)
+    monkeypatch.setattr(corpora, "preprocess", preprocess)
     a = argparse.Namespace(langs="en,de", workdir=str(tmp_path), corpus="synthetic",
                            train_sentences=100)
     results, errors = [], []
@@ -499,8 +522,6 @@ def test_real_corpus_from_gettext_catalogs(tmp_path, monkeypatch):
     multi-line messages split where the line counts agree, over-long and badly matched pairs
     dropped, iso-codes name lists left out, a split by hash (independent of file order), and a
     clear error when a machine has too few pairs."""
-    import real_corpus
-
     cats = tmp_path / "cats"
     cats.mkdir()
     messages = {f"Cannot open file number {i}": f"Datei Nummer {i} kann nicht geöffnet werden"
@@ -545,12 +566,11 @@ def _flat_fused_optimizer(monkeypatch):
 
 @pytest.mark.parametrize("planted", [None, "master", "step"])
 def test_adam_shadow_accepts_ls_adam_and_catches_a_wrong_step(monkeypatch, planted):
-    """bench/adam_shadow.py on the CPU (the reference Adam path): ls_adam's steps, overflows
+    """The adam_shadow probe on the CPU (the reference Adam path): ls_adam's steps, overflows
     included, are fairseq's formula to the float32 spacing; a planted wrong master update or a
     wrong step count is caught."""
     import io
 
-    import adam_shadow
     from fairseq_helpers import fp16_trainer_run
     from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 

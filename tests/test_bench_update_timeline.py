@@ -1,4 +1,4 @@
-"""bench/update_timeline.py's split of each update after its backward, on synthetic GPU timelines
+"""bench/benchlib/update_timeline.py's split of each update after its backward, on synthetic GPU timelines
 (µs) whose every figure is known by construction, written as profile_summary.write_timeline
 writes them."""
 import gzip
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import update_timeline  # bench/ (pytest.ini's pythonpath)
+from benchlib import update_timeline  # bench/ (pytest.ini's pythonpath)
 
 MAIN, SIDE, NCCL_STREAM = 7, 31, 23
 

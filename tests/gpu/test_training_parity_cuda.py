@@ -98,8 +98,9 @@ AFTER_OVERFLOW_DROPOUT = 0.1
 
 
 def prepare(work):
-    """The learnable corpus (bench/learnable_corpus.py), binarised under ``work / "bin"``."""
-    import learnable_corpus  # bench/ (pytest.ini's pythonpath)
+    """The learnable corpus (ls_fairseq/testing/learnable_corpus.py), binarised under
+    ``work / "bin"``."""
+    from ls_fairseq.testing import learnable_corpus
 
     learnable_corpus.write_corpus(work / "text", train=4000, valid=200, test=10)
     subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en",

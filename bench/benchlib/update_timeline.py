@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Where each profiled update's time goes after the backward, rank by rank, from the GPU timelines
-``bench/profile_summary.py`` writes (``BENCH_PROFILE_TIMELINE=1``; ``bench/multi_gpu.py
---profile`` sets it up for every rank).
+the profiler probe (``probes/profile_summary.py``) writes (``BENCH_PROFILE_TIMELINE=1``;
+``bench/multi_gpu.py --profile --profile-timelines`` sets it up for every rank).
 
 For each update (from one ``bench_update_<k>`` range's first GPU activity to the next one's), on
 the stream that runs the update's kernels (the ranges' stream):
@@ -19,7 +18,7 @@ the stream that runs the update's kernels (the ranges' stream):
 * **copies / NCCL elsewhere**: the copy-engine all-reduce's copies and NCCL kernels on other
   streams (union of their spans).
 
-    python bench/update_timeline.py /tmp/prof/profile_*_4gpu_*.timeline.json.gz --json out.json
+    PYTHONPATH=bench python -m benchlib.update_timeline /tmp/prof/profile_*_4gpu_*.timeline.json.gz
 
 A profiler slows the host: boundary idle here is an upper bound on the unprofiled run's.
 """
@@ -29,11 +28,8 @@ import json
 import os
 import re
 import statistics
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from profile_summary import NCCL, UPDATE, _ANNOTATION, _is_copy, _union_length  # noqa: E402
+from benchlib.probes.profile_summary import NCCL, UPDATE, _ANNOTATION, _is_copy, _union_length
 
 FIELDS = ("period_ms", "backward_end_ms", "wait_after_backward_ms", "clip_and_norm_ms",
           "optimizer_ms", "boundary_idle_ms", "side_copies_ms", "side_nccl_ms")

@@ -24,8 +24,8 @@ Every row gives the first call on a shape the process has not seen (synchronised
 is where per-shape planning shows), the steady-state time per fwd+bwd (CUDA events, mean of
 --iters) and the peak extra memory of one fwd+bwd.
 
-    python bench/attention.py [--dtypes fp16,bf16] [--dropout 0.1] [--iters 10] [--md out.md]
-    python bench/attention.py --sanitize     # small fwd+bwd workload for compute-sanitizer
+    python bench/kernels.py attention [--dtypes fp16,bf16] [--dropout 0.1] [--iters 10] [--md out.md]
+    python bench/kernels.py attention --sanitize     # small fwd+bwd workload for compute-sanitizer
 """
 import argparse
 import contextlib
@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from timing import cuda_event_ms  # noqa: E402
+from benchlib.timing import cuda_event_ms
 
 from ls_fairseq.ops import _extension  # noqa: E402
 from ls_fairseq.ops.attention import attention_cuda, attention_cuda_packed  # noqa: E402
@@ -307,8 +307,8 @@ def sanitize():
     print("sanitize workload done")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kernels.py attention", description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--iters", type=int, default=10)
@@ -318,7 +318,7 @@ def main():
     ap.add_argument("--what", default="core,module", help="core, module or both (comma separated)")
     ap.add_argument("--md", default=None, help="also write the tables (markdown) to this file")
     ap.add_argument("--sanitize", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.environ.setdefault(_extension.ENV_VAR, "require")
     assert _extension.load(), _extension.failure_reason()
     if args.sanitize:

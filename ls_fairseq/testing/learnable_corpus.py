@@ -1,14 +1,18 @@
-"""A learnable synthetic translation corpus: a deterministic transduction with real structure.
+"""The learnable synthetic translation corpus: a deterministic transduction with real structure.
 
-Random-token corpora (``bench/e2e.py``'s Zipf tokens) can only show speed: their loss stops at
-the unigram entropy, so two models that agree there may translate very differently. This corpus
-is a small grammar whose "English" side is translated into a "German" side by fixed rules that a
-Transformer can learn, and whose errors show in BLEU and in the hypothesis/reference length
-ratio:
+One generator for every place that needs a corpus a model can learn: the benchmarks (bench/:
+the speed corpus of ``e2e.py``, ``generate.py`` and ``multi_gpu.py``, the smoke recipe of
+``quality.py``), the GPU parity tests and the quickstart (:func:`synthetic_corpus`).
 
-* **lexicon**: ~11k source and ~11k target word types (pseudo-words from two syllable
-  inventories, so nothing can be copied), nouns, adjectives, verbs and adverbs drawn with Zipf
-  frequencies (rank^-1), so rare words are rare, as in real text;
+Random-token corpora can only show speed: their loss stops at the unigram entropy, so two models
+that agree there may translate very differently. This corpus is a small grammar whose "English"
+side is translated into a "German" side by fixed rules that a Transformer can learn, and whose
+errors show in BLEU and in the hypothesis/reference length ratio:
+
+* **lexicon**: pseudo-words from two syllable inventories, so nothing can be copied; nouns,
+  adjectives, verbs and adverbs drawn with Zipf frequencies (rank^-1), so rare words are rare, as
+  in real text. ``vocabulary="full"`` (the benchmarks): ~11k source and ~11k target word types;
+  ``"small"`` (~60 content words a side): learnable by a tiny model on a CPU in minutes;
 * **agreement**: each target noun has one of three genders; the target determiner depends on the
   source determiner *and* the noun's gender (and a preposition's case);
 * **local reordering**: adjectives follow the noun in reverse order; the adverb moves before the
@@ -18,15 +22,15 @@ ratio:
 * **length change**: a third of the nouns are compounds (two target tokens), source auxiliaries
   have no target word, and "that" clauses gain a comma.
 
-Every sentence pair is fully determined by the source, so a perfect model reaches BLEU 100 and
-length ratio 1.0; a model that has learned the rules reaches BLEU in the 90s within a few
-thousand updates, and an over- or under-generating one shows at once in the length ratio.
+Invariants: every sentence pair is fully determined by its source, so a perfect model reaches
+BLEU 100 and length ratio 1.0; output depends only on the seeds given (a ``Lexicon`` seed and a
+generator seed), so a corpus is reproduced exactly from its arguments. The full lexicon's draws
+are those of the corpus behind the figures in docs/results/ (do not reorder them).
 
-    python bench/learnable_corpus.py OUTDIR [--train 120000] [--seed 1]
+    python -m ls_fairseq.testing.learnable_corpus OUTDIR [--train 120000] [--seed 1]
 
-writes ``{train,valid,test}.{en,de}`` (one sentence a line, tokens separated by spaces).
-``Generator.line_of_length`` joins sentences into lines of a given length (``bench/e2e.py``'s
-WMT-shaped speed corpus).
+writes ``{train,valid,test}.{en,de}`` (tokenised: one sentence a line, tokens separated by spaces).
+Needs numpy only.
 """
 import argparse
 import os
@@ -57,16 +61,27 @@ DET_TABLE = {
     ("my", 0, 1): "meinem", ("my", 1, 1): "meiner", ("my", 2, 1): "meinem",
 }
 AUXILIARIES = ("will", "does", "did", "can")  # no target word (tense/mood ignored)
-PREPOSITIONS = 40
 PARTICLES = ("an", "auf", "aus", "ein", "mit", "nach", "vor", "weg", "zu", "ab", "bei", "her")
 
-SIZES = {"noun": 6000, "adj": 2000, "verb": 2400, "adv": 600}
+#: open-class sizes, prepositions and compound tails of each vocabulary
+VOCABULARIES = {
+    "full": dict(sizes={"noun": 6000, "adj": 2000, "verb": 2400, "adv": 600}, prepositions=40,
+                 tails=300),
+    "small": dict(sizes={"noun": 30, "adj": 12, "verb": 14, "adv": 5}, prepositions=6,
+                  tails=8),
+}
+SIZES = VOCABULARIES["full"]["sizes"]
+PREPOSITIONS = VOCABULARIES["full"]["prepositions"]
 
 
 class Lexicon:
     """Source words of each class and their target translations, drawn once from ``seed``."""
 
-    def __init__(self, seed=1234):
+    def __init__(self, seed=1234, vocabulary="full"):
+        if vocabulary not in VOCABULARIES:
+            raise ValueError(f"vocabulary {vocabulary!r}: one of {sorted(VOCABULARIES)}")
+        sizes, n_prep, n_tails = (VOCABULARIES[vocabulary][k]
+                                  for k in ("sizes", "prepositions", "tails"))
         rng = np.random.default_rng(seed)
         taken_src, taken_tgt = set(DETERMINERS) | set(AUXILIARIES) | {"that"}, set()
         for words in DET_TABLE.values(), PARTICLES, (",", "dass"):
@@ -80,25 +95,26 @@ class Lexicon:
                     return w
             raise RuntimeError(f"no free word of {lo}-{hi} syllables left")
 
+        # the order of the draws below fixes the corpus: keep it
         self.src = {c: [word(SRC_SYLLABLES, taken_src, 2, 4) for _ in range(n)]
-                    for c, n in SIZES.items()}
-        self.src["prep"] = [word(SRC_SYLLABLES, taken_src, 1, 2) for _ in range(PREPOSITIONS)]
-        tails = [word(TGT_SYLLABLES, taken_tgt, 2, 3) for _ in range(300)]
+                    for c, n in sizes.items()}
+        self.src["prep"] = [word(SRC_SYLLABLES, taken_src, 1, 2) for _ in range(n_prep)]
+        tails = [word(TGT_SYLLABLES, taken_tgt, 2, 3) for _ in range(n_tails)]
         self.noun = []  # (target tokens, gender)
-        for _ in range(SIZES["noun"]):
+        for _ in range(sizes["noun"]):
             head = word(TGT_SYLLABLES, taken_tgt, 2, 4)
             compound = rng.random() < 1 / 3
             self.noun.append(([head, str(rng.choice(tails))] if compound else [head],
                               int(rng.integers(0, 3))))
-        self.adj = [word(TGT_SYLLABLES, taken_tgt, 2, 4) for _ in range(SIZES["adj"])]
-        self.adv = [word(TGT_SYLLABLES, taken_tgt, 2, 4) for _ in range(SIZES["adv"])]
+        self.adj = [word(TGT_SYLLABLES, taken_tgt, 2, 4) for _ in range(sizes["adj"])]
+        self.adv = [word(TGT_SYLLABLES, taken_tgt, 2, 4) for _ in range(sizes["adv"])]
         self.verb = []  # (target stem, particle or None)
-        for _ in range(SIZES["verb"]):
+        for _ in range(sizes["verb"]):
             particle = str(rng.choice(PARTICLES)) if rng.random() < 0.25 else None
             self.verb.append((word(TGT_SYLLABLES, taken_tgt, 2, 4), particle))
         # prepositions: target word and the case they govern
         self.prep = [(word(TGT_SYLLABLES, taken_tgt, 2, 3), int(rng.integers(0, 2)))
-                     for _ in range(PREPOSITIONS)]
+                     for _ in range(n_prep)]
         self.cdf = {c: np.cumsum(_zipf(len(v))) for c, v in self.src.items()}
 
 
@@ -178,6 +194,22 @@ class Generator:
                 " ".join(w for _, t in pairs for w in t))
 
 
+def synthetic_corpus(n, seed=1, vocabulary="full", lexicon_seed=1234):
+    """``n`` sentence pairs as two lists of tokenised lines, ``(english, german)``: the corpus
+    for code that writes its own files (the quickstart: ``vocabulary="small"``)."""
+    gen = Generator(Lexicon(lexicon_seed, vocabulary), np.random.default_rng(seed))
+    pairs = [gen.sentence() for _ in range(n)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def wmt_like_lengths(rng, n):
+    """Source and target lengths in subwords (before fairseq's end-of-sentence token) shaped
+    like WMT14 en-de after joined BPE: lognormal, mean ~29, tail to 250."""
+    src_len = np.clip(np.round(rng.lognormal(mean=3.15, sigma=0.62, size=n)), 1, 250).astype(int)
+    tgt_len = np.clip(np.round(src_len * rng.normal(1.08, 0.15, size=n)), 1, 250).astype(int)
+    return src_len, tgt_len
+
+
 def write_split(outdir, split, pairs):
     """Writes (source, target) line pairs to ``outdir/{split}.en`` and ``.de``; returns them."""
     pairs = list(pairs)
@@ -187,16 +219,32 @@ def write_split(outdir, split, pairs):
     return pairs
 
 
-def write_corpus(outdir, train=120000, valid=1000, test=1000, seed=1, lexicon_seed=1234):
-    """Writes ``{train,valid,test}.{en,de}`` under ``outdir``; returns the number of word types
-    seen on each side of the training data."""
+def write_corpus(outdir, train=120000, valid=1000, test=1000, seed=1, lexicon_seed=1234,
+                 vocabulary="full"):
+    """Writes ``{train,valid,test}.{en,de}`` of single sentences under ``outdir``; returns the
+    number of word types seen on each side of the training data."""
     os.makedirs(outdir, exist_ok=True)
-    gen = Generator(Lexicon(lexicon_seed), np.random.default_rng(seed))
+    gen = Generator(Lexicon(lexicon_seed, vocabulary), np.random.default_rng(seed))
     for split, n in (("train", train), ("valid", valid), ("test", test)):
         pairs = write_split(outdir, split, (gen.sentence() for _ in range(n)))
         if split == "train":
             types = [{w for pair in pairs for w in pair[side].split()} for side in (0, 1)]
     return len(types[0]), len(types[1])
+
+
+def write_wmt_like(outdir, sentences, seed=1, valid=500):
+    """Writes ``{train,valid}.{en,de}`` of lines of WMT14-like lengths (``wmt_like_lengths``,
+    each line sentences joined by ``line_of_length``): the speed benchmarks' corpus. Returns the
+    mean source length in tokens."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(outdir, exist_ok=True)
+    gen = Generator(Lexicon(), rng)
+    lengths = []
+    for split, n in (("train", sentences), ("valid", valid)):
+        src_len, _ = wmt_like_lengths(rng, n)
+        pairs = write_split(outdir, split, (gen.line_of_length(int(length)) for length in src_len))
+        lengths += [len(s.split()) for s, _ in pairs]
+    return float(np.mean(lengths))
 
 
 def main(argv=None):
@@ -206,8 +254,10 @@ def main(argv=None):
     p.add_argument("--valid", type=int, default=1000)
     p.add_argument("--test", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--vocabulary", choices=sorted(VOCABULARIES), default="full")
     a = p.parse_args(argv)
-    src_types, tgt_types = write_corpus(a.outdir, a.train, a.valid, a.test, a.seed)
+    src_types, tgt_types = write_corpus(a.outdir, a.train, a.valid, a.test, a.seed,
+                                        vocabulary=a.vocabulary)
     print(f"wrote {a.outdir}: {a.train}/{a.valid}/{a.test} pairs, {src_types} source and "
           f"{tgt_types} target word types in train")
 

@@ -1,14 +1,16 @@
 """Profile a window of fairseq training updates and say where the GPU time goes.
 
-Used by bench/e2e.py (``--profile``): wraps ``fairseq.trainer.Trainer.train_step`` in the
-benchmark process only, runs ``torch.profiler`` over ``steps`` updates starting at update ``at``,
-and prints/writes a summary: wall time per update, GPU busy time split into GEMM, attention,
-other kernels and memory copies, and idle GPU time (launch gaps, host synchronisation), plus the
-top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of the whole
+A probe (``BENCH_PROFILE_AT``: bench/e2e.py ``--profile``, bench/multi_gpu.py ``--profile``):
+wraps ``fairseq.trainer.Trainer.train_step`` in each training process, runs ``torch.profiler``
+over ``steps`` updates starting at update ``at``, and prints/writes a summary: wall time per
+update, GPU busy time split into GEMM, attention, other kernels and memory copies, and idle GPU
+time (launch gaps, host synchronisation), plus the top kernels. Then, over the next ``PY_STEPS`` updates, a Python-level profile of the whole
 training loop (cProfile: which fairseq/ls_fairseq functions take the host's time between the
 GPU's work) and the call sites of every host synchronisation (torch's sync debug mode).
 With ``BENCH_PROFILE_TIMELINE=1`` each process also writes its window's GPU activities (start,
 duration, stream, name) beside its summary, as ``<summary>.timeline.json.gz``.
+torch is imported by the functions that use it: bench/multi_gpu.py reads this module's
+constants and table helpers without it.
 """
 import cProfile
 import collections
@@ -21,8 +23,6 @@ import re
 import time
 import traceback
 import warnings
-
-import torch
 
 PY_STEPS = 20
 GEMM = re.compile(r"gemm|cutlass|xmma|cublas|sm90_|hgmma|matmul|ampere_|s1688|s16816", re.I)
@@ -48,6 +48,8 @@ UPDATE = "bench_update_"  # record_function range around each profiled update
 
 
 def summarize(prof, wall_s, steps):
+    import torch
+
     kernels, marks = [], {}
     for evt in prof.events():
         # the GPU-side span of an update's range (its kernels, first start to last end)
@@ -158,6 +160,8 @@ WAITS = re.compile(r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaMemcpy|cuda
 def host_summary(prof, steps):
     """Host (CPU) time per update inside fairseq's phases, time blocked on the GPU, and the ops
     with the most self CPU time."""
+    import torch
+
     ranges = {name: 0.0 for name in HOST_RANGES}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CPU and evt.name in ranges:
@@ -210,6 +214,8 @@ def write_timeline(prof, path):
     """The window's GPU activities, one row each: start and duration (us, from the first),
     stream and name (kernels shortened): enough to place every rank's copies, barriers and last
     backward kernels against each other offline."""
+    import torch
+
     rows = []
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != torch.autograd.DeviceType.CUDA:
@@ -232,6 +238,8 @@ def _rank():
 def install(at, steps, out_path=None):
     """Wrap Trainer.train_step in this process. ``out_path`` may hold ``{rank}``: each process of
     a distributed run then writes its own summary."""
+    import torch
+
     from fairseq import trainer as trainer_mod
 
     original = trainer_mod.Trainer.train_step

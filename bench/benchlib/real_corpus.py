@@ -17,7 +17,9 @@ different text (help screens, format tables). Duplicated sources keep their firs
 catalog order. The split is by a hash of the source side, so it does not depend on the order of
 the files: ``TEST`` pairs for test, ``VALID`` for validation, the rest for training.
 
-    python bench/real_corpus.py OUT_DIR          # writes {train,valid,test}.{en,de} + corpus.json
+    python bench/benchlib/real_corpus.py OUT_DIR   # writes {train,valid,test}.{en,de} + corpus.json
+
+Stdlib only (it runs as a program from its own folder).
 """
 import argparse
 import gettext

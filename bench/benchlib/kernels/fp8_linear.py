@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """GPU time of the FP8 linear layer (``--ls-fp8``) against the 16-bit one, per linear shape of a
 model and summed over one training step, with the FP8 time split into its parts.
 
@@ -26,11 +25,12 @@ goes (``torch._scaled_mm`` or the float32 reference) is ``fp8_linear``'s own cho
 shape; the table says which. On the CPU (``--device cpu``) only the reference runs: that run
 checks the script, not speed.
 
-    python bench/fp8_linear.py --tokens 4096 8192 16384 --json $OUT/fp8_linear.json
+    python bench/kernels.py fp8_linear --tokens 4096 8192 16384 --json $OUT/fp8_linear.json
+
+``--json``: benchlib/results.py's schema, a row per (tokens, shape), the per-step totals
+(``steps``) and the model's calls beside them.
 """
 import argparse
-import datetime
-import json
 import os
 import shlex
 import sys
@@ -41,18 +41,12 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import commit  # noqa: E402  (LS_BENCH_COMMIT, else git)
-from timing import cuda_event_ms  # noqa: E402
-
-from ls_fairseq.modules import sublayers  # noqa: E402
-from ls_fairseq.ops import _extension  # noqa: E402
-from ls_fairseq.ops import fp8_linear as fp8  # noqa: E402
-from ls_fairseq.testing.fairseq_helpers import (  # noqa: E402
-    build_model,
-    make_dictionary,
-    random_sample,
-)
+from benchlib import results
+from benchlib.timing import cuda_event_ms
+from ls_fairseq.modules import sublayers
+from ls_fairseq.ops import _extension
+from ls_fairseq.ops import fp8_linear as fp8
+from ls_fairseq.testing.fairseq_helpers import build_model, make_dictionary, random_sample
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: the parts of the FP8 path, in the order of the table
@@ -170,7 +164,8 @@ def device_name(device):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kernels.py fp8_linear",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="ls_transformer_wmt_en_de_big_t2t")
     ap.add_argument("--model-args", default="",
                     help="more model arguments for the parser, one string (e.g. "
@@ -227,13 +222,14 @@ def main(argv=None):
               f"{step['transposes']:.2f} | {step['gemms_fp8']:.2f} | {step['bias_grad']:.2f} | "
               f"{step['rest']:.2f} | {step['gemms_16bit']:.2f} |")
     if a.json:
-        info = dict(device=device_name(device), timing=timing, date=str(datetime.date.today()),
-                    commit=commit(), torch=torch.__version__,
-                    command="python bench/fp8_linear.py " + shlex.join(argv))
+        head = results.header(
+            "bench/kernels.py", f"FP8 linear layer against the 16-bit one per linear shape of "
+            f"{a.arch}, {a.dtype}, tokens {a.tokens}",
+            "python bench/kernels.py fp8_linear " + shlex.join(argv), device=device_name(device),
+            torch=torch.__version__)
         calls_json = [dict(side=s, k=k, n=n, bias=b, calls=c)
                       for (s, k, n, b), c in sorted(calls.items())]
-        with open(a.json, "w") as f:
-            json.dump(dict(info, calls=calls_json, rows=rows, steps=steps), f, indent=1)
+        results.write(a.json, head, rows, timing=timing, calls=calls_json, steps=steps)
     return rows, steps, calls
 
 

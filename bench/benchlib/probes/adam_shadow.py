@@ -14,11 +14,12 @@ learning rate); after it, it recomputes the step with the operations of fairseq'
 * an update whose scaled gradients are not finite must leave everything untouched.
 
 Each update is one JSON line in ``--out``; the last line of the run's output is ``SHADOW_SUMMARY
-{...}`` (worst errors, mismatch counts, overflows), which ``bench/quality.py`` reads. It changes
+{...}`` (worst errors, mismatch counts, overflows), which ``bench/quality.py`` reads (its
+``optimizer_shadow`` variant runs this program). It changes
 no result: the step itself is ls_adam's, and the checks only read (they add host reads, so time
 is not representative).
 
-    python bench/adam_shadow.py --out shadow.jsonl -- DATA --arch transformer \\
+    python bench/benchlib/probes/adam_shadow.py --out shadow.jsonl -- DATA --arch transformer \\
         --optimizer ls_adam --fp16 --user-dir ls_fairseq ...      # fairseq-train's arguments
 """
 import argparse

@@ -9,7 +9,7 @@ Second table: output projection + CE (``hidden @ W.T`` then the loss, forward + 
 fairseq's CE, with the fused CE, and chunked (``--ls-fused-output-ce``).
 
 Prints median time (CUDA events) and peak memory above the inputs. Usage:
-    python bench/cross_entropy.py [--dtype fp16|bf16] [--reps 20] [--quick]
+    python bench/kernels.py cross_entropy [--dtype fp16|bf16] [--reps 20] [--quick]
 """
 import argparse
 import statistics
@@ -146,12 +146,13 @@ def bench_output_ce(dtype, reps, shapes, d=1024):
         torch.cuda.empty_cache()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kernels.py cross_entropy",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     assert _extension.load(), _extension.failure_reason()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     tokens = [4096, 16384] if args.quick else [4096, 8192, 16384, 32768]

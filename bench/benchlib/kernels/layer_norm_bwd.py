@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """GPU time of the LayerNorm backward ops at transformer big's width (fp16, C = 1024): the fused
 pre-LN boundary's backward (``bias_dropout_residual_layer_norm_bwd``: LayerNorm backward, the
 residual gradient, y's gradient through the dropout mask, three column sums) and
@@ -7,22 +6,24 @@ residual gradient, y's gradient through the dropout mask, three column sums) and
 
 To compare two trees, run it from each on the same GPU (each builds its own extension):
 
-    python bench/layer_norm_bwd.py new
-    (cd /path/to/other/tree && PYTHONPATH=. python /path/to/this/bench/layer_norm_bwd.py old)
+    python bench/kernels.py layer_norm_bwd new
+    (cd /path/to/other/tree && PYTHONPATH=. python /path/to/this/bench/kernels.py layer_norm_bwd old)
 """
-import sys
+import argparse
 
 import torch
 
-from timing import cuda_event_ms  # noqa: E402
+from benchlib.timing import cuda_event_ms
+from ls_fairseq.ops import _extension
 
-from ls_fairseq.ops import _extension  # noqa: E402
 
-
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kernels.py layer_norm_bwd",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("tag", nargs="?", default="this tree", help="the tree's name in the table")
+    tag = ap.parse_args(argv).tag
     assert _extension.load(), _extension.failure_reason()
     ops = torch.ops.ls_fairseq
-    tag = sys.argv[1] if len(sys.argv) > 1 else "this tree"
     H = dict(device="cuda", dtype=torch.float16)
     C, p = 1024, 0.3
     print("| tree | rows x C | fused boundary bwd ms (TB/s at 10 B/elem) | "

@@ -13,7 +13,7 @@ Whole optimizer phase as fairseq's trainer runs it (``multiply_grads``, ``clip_g
 with ls_adam, and with ls_adam ``--ls-fused-fp16-copy`` (``LSFusedFP16Optimizer``).
 
 The floor is 28 bytes/parameter over the copy bandwidth measured on the same GPU (a large
-device-to-device copy, bytes read + written). Usage: python bench/adam.py [--reps 20]
+device-to-device copy, bytes read + written). Usage: python bench/kernels.py adam [--reps 20]
 """
 import argparse
 import statistics
@@ -164,10 +164,10 @@ def optimizer_rows(shapes, reps):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kernels.py adam", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     assert _extension.load(), _extension.failure_reason()
     shapes = transformer_big_shapes()
     bw = copy_bandwidth()
