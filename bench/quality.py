@@ -207,11 +207,12 @@ def train_cmd(a, data, variant, seed, save_dir, port=None):
 
 def generate_cmd(a, data, variant, save_dir):
     # fairseq-generate's own length limit (200 tokens): a looping hypothesis shows in full;
-    # one GPU whatever --gpus (no distributed flags), as users decode
+    # one GPU whatever --gpus (no distributed flags), as users decode. No data-loader worker:
+    # a worker passes batches through /dev/shm, which a dozen decodes at once can fill
     cmd = env.fairseq_cmd("generate") + [data, "--path",
            os.path.join(save_dir, "checkpoint_best.pt"), "--gen-subset", "test", "--beam",
-           str(a.beam), "--lenpen", str(a.lenpen), "--batch-size", "128"] + (
-               [] if a.cuda else ["--cpu"])
+           str(a.beam), "--lenpen", str(a.lenpen), "--batch-size", "128",
+           "--num-workers", "0"] + ([] if a.cuda else ["--cpu"])
     if needs_plugin(variant):
         cmd += ["--user-dir", USER_DIR]
     return cmd
@@ -487,7 +488,7 @@ def tables(rows, summary):
     shadows = [r for r in rows if r.get("shadow")]
     if shadows:
         lines += ["", "ls_adam's steps against fairseq's Adam on the same inputs "
-                  "(bench/adam_shadow.py; float32 spacings, bad = beyond "
+                  "(bench/benchlib/probes/adam_shadow.py; float32 spacings, bad = beyond "
                   f"{shadows[0]['shadow'].get('max_ulps')}):", "",
                   "| run | updates | real steps | overflows | worst master / m / v | "
                   "bad master / m / v | fp16 copy wrong | step count wrong | skip not clean |",

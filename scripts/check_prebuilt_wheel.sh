@@ -105,7 +105,7 @@ if [ "${CHECK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 # 2c. fairseq-train, README's command, on a small corpus
-python3 "$REPO/bench/learnable_corpus.py" "$W/raw" --train 20000 --valid 200 --test 200 > /dev/null \
+PYTHONPATH="$REPO" python3 -m ls_fairseq.testing.learnable_corpus "$W/raw" --train 20000 --valid 200 --test 200 > /dev/null \
   && (cd "$W/run" && PYTHONPATH="$BASE_PYTHONPATH" python3 -P -m fairseq_cli.preprocess \
         --source-lang en --target-lang de --trainpref "$W/raw/train" --validpref "$W/raw/valid" \
         --destdir "$W/bin" --joined-dictionary --workers 8 > "$OUT/preprocess.log" 2>&1)
