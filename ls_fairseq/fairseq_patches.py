@@ -436,7 +436,7 @@ def fixed_batches_train_iterator(original):
                 criterion.ls_fix_batches_to_gpus, "--ls-fix-batches-to-gpus",
                 "the dataset prefetches, and fairseq keeps its own order for such datasets "
                 "(its --fix-batches-to-gpus gives this order)", logger)
-            criterion.ls_fix_batches_to_gpus = fixed = False
+            criterion.ls_fix_batches_to_gpus, fixed = switches.OFF, False  # for the run
         if window > 1 and not fixed:  # the criterion's check_run refused the other cases
             raise switches.refusal("--ls-cost-matching-window", "it orders the batches fixed "
                                    "to GPUs, which this run does not use")
@@ -490,7 +490,7 @@ def _patch_clip_grad_norm():
     _wrap(Trainer, "clip_grad_norm", make)
 
 
-# ---- 9. Trainer.__init__ ------------------------------------------------------------------------
+# ---- 9. Trainer.__init__ ----------------------------------------------------------------------
 
 def run_facts(trainer) -> switches.RunFacts:
     """What ``trainer``'s run is, for the checks before training."""
@@ -553,7 +553,7 @@ def _patch_trainer_init():
     _wrap(Trainer, "__init__", checked_trainer_init)
 
 
-# ---- 10. distributed_utils.call_main --------------------------------------------------------------
+# ---- 10. distributed_utils.call_main ----------------------------------------------------------
 
 _REFUSED_IN_TRACEBACK = re.compile(r"^ls_fairseq\.switches\.Refused: (.+)$", re.M)
 
@@ -596,7 +596,7 @@ def _patch_call_main():
     _wrap(distributed_utils, "call_main", make)
 
 
-# ---- 11. options.add_model_args -----------------------------------------------------------------
+# ---- 11. options.add_model_args ---------------------------------------------------------------
 
 _BAD_ARCH = re.compile(r"^argument --arch(?:/-a)?: invalid choice: '([^']*)'")
 

@@ -352,7 +352,7 @@ def test_ls_checkpoint_with_plain_fairseq_is_explained_in_troubleshooting(data_b
     for message in seen.values():
         row = [line for line in doc.splitlines() if message.split(". ")[0] in line]
         assert len(row) == 1, message
-        assert "--user-dir" in row[0] and "ls-fairseq-convert" in row[0] and "--to fairseq" in row[0]
+        assert all(fix in row[0] for fix in ("--user-dir", "ls-fairseq-convert", "--to fairseq"))
 
 
 def test_arch_typo_names_the_nearest_architectures(capsys):

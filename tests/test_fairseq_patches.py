@@ -384,6 +384,7 @@ def test_prefetching_datasets_keep_fairseqs_order(mode, monkeypatch, caplog):
         for epoch in (1, 2):
             assert not getattr(wrapped(trainer, epoch, load_dataset=False),
                                "ls_fix_batches_to_gpus", False)
+    assert trainer._criterion.ls_fix_batches_to_gpus == switches.OFF  # for the run
     said = [r.message for r in caplog.records if "is off for this run" in r.message]
     assert said == ["ls-fix-batches-to-gpus is off for this run: the dataset prefetches, and "
                     "fairseq keeps its own order for such datasets (its --fix-batches-to-gpus "

@@ -285,7 +285,8 @@ def cpu_speed_note(loads, cores=None):
             "average (1 min, {} cores) of {}; the ls_ run takes the PyTorch reference path, at "
             "about the baseline's speed (the speed-ups need a CUDA GPU). The speed rows below say "
             "so instead of giving ratios.").format(
-                cores, ", ".join("{} during {}".format(fmt(load), name) for name, load in loads.items()))
+                cores, ", ".join("{} during {}".format(fmt(load), name)
+                                 for name, load in loads.items()))
     return cell, line
 
 

@@ -14,7 +14,9 @@ It needs a decoder whose output layer is ``decoder.output_projection`` (no adapt
 CUDA graphs (on by default where they apply; ``--ls-no-cuda-graphs`` off, ``--ls-cuda-graphs``
 required: ``ls_fairseq.switches``) replay the training forward and backward of each batch shape
 (``ls_fairseq.graphs.CudaGraphedLoss``): the same kernels, issued without Python's per-kernel cost.
-They step aside, with one log line, for a model other than ``ls_transformer``. On several GPUs
+They step aside, with one log line, for a model other than ``ls_transformer`` and on the CPU;
+``--ls-cuda-graphs`` on the CPU is refused before training (``check_run``, which fairseq-train
+runs through ``fairseq_patches``, patch 9, for every flag of this criterion). On several GPUs
 they work under fairseq's DDP backends (torch DDP, the default, and legacy_ddp/no_c10d) and
 all-reduce the gradients while the backward runs.
 ``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
@@ -224,8 +226,8 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
         if ls_fused_output_ce_chunk < 0:
-            raise switches.Refused(f"--ls-fused-output-ce-chunk must be >= 0 (0: about 256 MiB of "
-                             f"logits per chunk), got {ls_fused_output_ce_chunk}")
+            raise switches.Refused(f"--ls-fused-output-ce-chunk must be >= 0 (0: about 256 MiB "
+                                   f"of logits per chunk), got {ls_fused_output_ce_chunk}")
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         graphs = switches.resolve(ls_cuda_graphs, ls_no_cuda_graphs, "--ls-cuda-graphs")
         use_graphs = graphs != switches.OFF
@@ -252,7 +254,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             ls_fix_batches_to_gpus, ls_no_fix_batches_to_gpus, "--ls-fix-batches-to-gpus")
         if ls_cost_matching_window < 0:
             raise switches.Refused(f"--ls-cost-matching-window must be >= 0 (0: off), got "
-                             f"{ls_cost_matching_window}")
+                                   f"{ls_cost_matching_window}")
         self.ls_cost_matching_window = int(ls_cost_matching_window)
 
     def check_run(self, cfg, run: switches.RunFacts, model=None) -> None:
