@@ -69,11 +69,32 @@ the docstring of each test file there says).
    check is booked during the next update, before this call; here the trainer then takes the
    skipped updates back (``optimizer.take_skipped_updates()``), before the optimizer step reads
    the learning rate. Optimizers without the method: fairseq's method, unchanged.
+9. ``Trainer.__init__`` (flags checked before training): once fairseq's trainer is built, and
+   before it loads a checkpoint or the training data, every ``--ls-X`` the user gave that cannot
+   apply to the run is refused (:func:`check_run`: the criterion's ``check_run``, ls_adam's
+   ``check_run``), and so is ``--fp16`` on the CPU, where fairseq's ``FP16Optimizer`` would
+   fail deep inside torch ("Found no NVIDIA driver"). On the CPU the default CUDA graphs step
+   aside here, with their one line. Runs with nothing to refuse: fairseq's method, unchanged.
+10. ``distributed_utils.call_main`` (one line, not a traceback): fairseq-train reports a
+   :class:`ls_fairseq.switches.Refused` (a bad ``--ls-*`` value, a flag that cannot apply, a
+   checkpoint to convert first) as one line on stderr, ``ls_fairseq: <message>``, and exits
+   with status 2, as argparse does for a usage error; raised in a worker process that
+   ``torch.multiprocessing.spawn`` started, it reaches this process as that process's
+   traceback, and the same line is printed from it. Every other error: fairseq's, unchanged.
+11. ``options.add_model_args`` (architecture typos): fairseq-train's parser answers an unknown
+   ``--arch`` with its usage and one line listing every architecture (~3,800 characters).
+   After fairseq's message the parser then prints one more line with the nearest names
+   (``difflib``) and the ls_ architectures. Every other parser error: argparse's, unchanged.
 """
+import difflib
 import functools
 import logging
+import re
+import sys
 
 import torch
+
+from . import switches
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +210,9 @@ def install() -> None:
     _patch_ordered_batches()
     _patch_train_iterator()
     _patch_clip_grad_norm()
+    _patch_trainer_init()
+    _patch_call_main()
+    _patch_arch_hint()
 
 
 # ---- 4. Trainer.load_checkpoint -----------------------------------------------------------
@@ -246,7 +270,7 @@ def _patch_load_checkpoint():
                     filename, saved_criterion, saved_optimizer, criterion, optimizer)
                 if advice is None:
                     raise
-                raise ValueError(advice) from None
+                raise switches.Refused(advice) from None
         return load_checkpoint
 
     _wrap(Trainer, "load_checkpoint", make)
@@ -394,8 +418,6 @@ def _patch_ordered_batches():
 
 def fixes_batches(trainer) -> bool:
     """Whether patch 7 applies to ``trainer``'s run (see the module docstring)."""
-    from . import switches
-
     return not trainer.cfg.dataset.grouped_shuffling and switches.data_parallel_switch(
         trainer, "ls_fix_batches_to_gpus", "--ls-fix-batches-to-gpus", logger)
 
@@ -407,6 +429,17 @@ def fixed_batches_train_iterator(original):
         itr = original(self, *args, **kwargs)
         window = getattr(getattr(self, "_criterion", None), "ls_cost_matching_window", 0)
         fixed = fixes_batches(self)
+        if fixed and getattr(itr, "_supports_prefetch", False):
+            # fairseq's own --fix-batches-to-gpus path, which patch 6 leaves to fairseq
+            criterion = self._criterion
+            switches.refuse_or_step_aside(
+                criterion.ls_fix_batches_to_gpus, "--ls-fix-batches-to-gpus",
+                "the dataset prefetches, and fairseq keeps its own order for such datasets "
+                "(its --fix-batches-to-gpus gives this order)", logger)
+            criterion.ls_fix_batches_to_gpus, fixed = switches.OFF, False  # for the run
+        if window > 1 and not fixed:  # the criterion's check_run refused the other cases
+            raise switches.refusal("--ls-cost-matching-window", "it orders the batches fixed "
+                                   "to GPUs, which this run does not use")
         if fixed:
             itr.ls_fix_batches_to_gpus = True  # read by each epoch's ordered_batches
             itr.ls_cost_matching_window = window
@@ -421,10 +454,6 @@ def fixed_batches_train_iterator(original):
                 f"--fix-batches-to-gpus order); --ls-no-fix-batches-to-gpus for fairseq's order"
                 + (f"; an update's batches matched by cost in runs of {window} updates "
                    f"(--ls-cost-matching-window)" if window > 1 else ""))
-        elif window > 1:
-            logger.info(f"--ls-cost-matching-window {window} has no effect on this run: it "
-                        f"orders batches fixed to GPUs, which this run does not use (one GPU, "
-                        f"model parallelism, --ls-no-fix-batches-to-gpus or --grouped-shuffling)")
         return itr
     return get_train_iterator
 
@@ -459,3 +488,165 @@ def _patch_clip_grad_norm():
         return clip_grad_norm
 
     _wrap(Trainer, "clip_grad_norm", make)
+
+
+# ---- 9. Trainer.__init__ ----------------------------------------------------------------------
+
+def run_facts(trainer) -> switches.RunFacts:
+    """What ``trainer``'s run is, for the checks before training."""
+    import torch.distributed as dist
+
+    workers = trainer.data_parallel_world_size
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+        else workers
+    backend = getattr(trainer.cfg.distributed_training, "distributed_backend", "nccl")
+    return switches.RunFacts(cuda=bool(getattr(trainer, "cuda", False)), workers=workers,
+                             processes=processes, backend=str(backend))
+
+
+def fp16_device_conflict(cfg, run: switches.RunFacts):
+    """Why ``--fp16`` cannot train ``run`` (None: it can): fairseq's ``FP16Optimizer`` puts its
+    flat fp32 master weights on the current CUDA device. ``--memory-efficient-fp16`` and
+    ``--fp16-no-flatten-grads`` keep no flat master, and do train on the CPU."""
+    common = cfg.common
+    if not getattr(common, "fp16", False) or run.cuda or getattr(common, "tpu", False):
+        return None
+    if getattr(common, "memory_efficient_fp16", False) or \
+            getattr(common, "fp16_no_flatten_grads", False) or getattr(common, "amp", False) or \
+            getattr(cfg.distributed_training, "ddp_backend", None) == "fully_sharded":
+        return None
+    return ("--fp16 needs a CUDA GPU (fairseq's FP16Optimizer keeps its fp32 master weights on "
+            "it), and this run trains on the CPU (--cpu, or no CUDA GPU visible to torch): on "
+            "the CPU train with --bf16, or drop --fp16")
+
+
+def check_run(trainer) -> None:
+    """Patch 9: refuses, with one line, what cannot train on ``trainer``'s run (see the module
+    docstring)."""
+    from .criterions.ls_label_smoothed_cross_entropy import (
+        LSLabelSmoothedCrossEntropyCriterion,
+    )
+    from .optim import ls_adam
+
+    run = run_facts(trainer)
+    reason = fp16_device_conflict(trainer.cfg, run)
+    if reason is not None:
+        raise switches.Refused(reason)
+    criterion = getattr(trainer, "_criterion", None)
+    if isinstance(criterion, LSLabelSmoothedCrossEntropyCriterion):
+        criterion.check_run(trainer.cfg, run, getattr(trainer, "_model", None))
+    ls_adam.check_run(trainer.cfg, run)
+
+
+def checked_trainer_init(original):
+    """Patch 9's wrapper of ``Trainer.__init__`` (``original``: fairseq's)."""
+    @functools.wraps(original)
+    def __init__(self, cfg, task, model, criterion, *args, **kwargs):
+        original(self, cfg, task, model, criterion, *args, **kwargs)
+        check_run(self)
+    return __init__
+
+
+def _patch_trainer_init():
+    from fairseq.trainer import Trainer
+
+    _wrap(Trainer, "__init__", checked_trainer_init)
+
+
+# ---- 10. distributed_utils.call_main ----------------------------------------------------------
+
+_REFUSED_IN_TRACEBACK = re.compile(r"^ls_fairseq\.switches\.Refused: (.+)$", re.M)
+
+
+def refusal_line(message: str) -> str:
+    """The line fairseq-train prints for a refusal."""
+    return message if message.startswith("ls_fairseq: ") else f"ls_fairseq: {message}"
+
+
+def exit_refused(message: str):
+    sys.stdout.flush()
+    sys.stderr.write(refusal_line(message) + "\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def refusal_of_worker(exc):
+    """The refusal a spawned worker raised, from the traceback it sent (None: another error)."""
+    found = _REFUSED_IN_TRACEBACK.findall(str(exc))
+    return found[-1] if found else None
+
+
+def _patch_call_main():
+    from fairseq.distributed import utils as distributed_utils
+
+    def make(original):
+        @functools.wraps(original)
+        def call_main(cfg, main, **kwargs):
+            try:
+                return original(cfg, main, **kwargs)
+            except switches.Refused as exc:
+                exit_refused(str(exc))
+            except torch.multiprocessing.ProcessRaisedException as exc:
+                message = refusal_of_worker(exc)
+                if message is None:
+                    raise
+                exit_refused(message)
+        return call_main
+
+    _wrap(distributed_utils, "call_main", make)
+
+
+# ---- 11. options.add_model_args ---------------------------------------------------------------
+
+_BAD_ARCH = re.compile(r"^argument --arch(?:/-a)?: invalid choice: '([^']*)'")
+
+
+def arch_hint(message: str):
+    """The line printed after fairseq's error for an unknown ``--arch`` (None for any other
+    error): the nearest registered names, and the ls_ architectures."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from .models.ls_transformer import ARCHITECTURES
+
+    found = _BAD_ARCH.match(message)
+    if not found:
+        return None
+    given = found.group(1)
+    # an ls_ name with a typo: the nearest ls_ names; anything else: the nearest of all
+    names = list(ARCHITECTURES) if given.startswith("ls") else list(ARCH_MODEL_REGISTRY)
+    near = difflib.get_close_matches(given, names, n=3, cutoff=0.6)
+    nearest = f"; the nearest: {', '.join(near)}" if near else ""
+    return (f"ls_fairseq: --arch {given!r} is not an architecture{nearest} (the ls_ "
+            f"architectures: {', '.join(ARCHITECTURES)})")
+
+
+def _with_arch_hint(parser):
+    """``parser.error`` also prints :func:`arch_hint`'s line, after argparse's message."""
+    if getattr(parser, "_ls_arch_hint", False):
+        return
+    parser._ls_arch_hint = True
+    error = parser.error
+
+    def error_with_hint(message):
+        hint = arch_hint(message)
+        try:
+            error(message)
+        finally:
+            if hint is not None:
+                sys.stderr.write(hint + "\n")
+
+    parser.error = error_with_hint
+
+
+def _patch_arch_hint():
+    from fairseq import options
+
+    def make(original):
+        @functools.wraps(original)
+        def add_model_args(parser):
+            group = original(parser)
+            _with_arch_hint(parser)
+            return group
+        return add_model_args
+
+    _wrap(options, "add_model_args", make)

@@ -3,8 +3,11 @@
 #
 #   bash scripts/quickstart.sh [ls-fairseq-quickstart options]
 #
-# 1. torch 2.13.0 from PyPI, only if this Python has no torch (an existing torch is kept: the
-#    CUDA kernels are built against whatever torch is installed);
+# 1. torch 2.13.0, only if this Python has no torch (an existing torch is kept: the CUDA kernels
+#    are built against whatever torch is installed). With an NVIDIA GPU (nvidia-smi lists one):
+#    PyPI's build, which brings its CUDA libraries (~3 GB). Without: the CPU build from
+#    https://download.pytorch.org/whl/cpu (no CUDA libraries). TORCH_INDEX_URL=<url> picks the
+#    index instead (TORCH_INDEX_URL= , empty: PyPI's build on any machine);
 # 2. cython + numpy, then fairseq-fixed 0.12.3.1 (built without build isolation, so that its
 #    Cython extensions compile against the numpy installed here);
 # 3. this package with its comparison extras (pip install ".[compare]", for the plots);
@@ -25,11 +28,21 @@ PYTHON=${PYTHON:-python3}
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check "$@"; }
 
 echo "== python: $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+TORCH=torch==2.13.0
 if "$PYTHON" -c "import torch" 2>/dev/null; then
     echo "== torch $("$PYTHON" -c 'import torch; print(torch.__version__)') already installed: kept"
 else
-    echo "== installing torch 2.13.0"
-    pip_install torch==2.13.0
+    if [ -n "${TORCH_INDEX_URL+set}" ]; then
+        index=$TORCH_INDEX_URL  # the user's choice; empty: PyPI
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        index=""  # a GPU: PyPI's build, with its CUDA libraries
+    else
+        index=https://download.pytorch.org/whl/cpu
+        echo "== no NVIDIA GPU found (nvidia-smi): the CPU build of torch, without CUDA libraries" \
+             "(TORCH_INDEX_URL= for PyPI's CUDA build)"
+    fi
+    echo "== installing $TORCH${index:+ from $index}"
+    pip_install "$TORCH" ${index:+--index-url "$index"}
 fi
 echo "== installing cython, numpy, fairseq-fixed 0.12.3.1"
 pip_install cython numpy

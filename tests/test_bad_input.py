@@ -1,18 +1,31 @@
-"""Every mistake a user can make gets one line that says what to do (issue 40), on CPU.
+"""Every mistake a user can make gets one line that says what to do, on CPU.
 
 One place for the bad inputs, so the list grows with every new flag, variable or tool:
 
 * every ``--ls-*`` option the training parser knows: bad values and contradicting pairs, built
   through fairseq's own option parser and registries (``test_every_ls_flag_has_a_bad_input_case``
   fails for a new flag without a case here);
+* a flag that cannot apply to the run (``--ls-fused-fp16-copy`` on fp32, ``--ls-async-stats`` on
+  one process, ``--ls-cuda-graphs`` on the CPU, ...) and ``--fp16`` on the CPU: refused by
+  fairseq-train before training, one line, exit status 2, no traceback (the decision for every
+  flag both ways: tests/test_fast_defaults.py); a default CPU run says once that the CUDA graphs
+  step aside; the flags that apply on the CPU train;
+* an ``--arch`` typo: fairseq's error, then one line with the nearest names;
 * every ``LS_FAIRSEQ_*`` variable the package reads (``ENV_VARS`` in ops/_extension.py; a test
   greps the sources so that list stays complete): refused when the plugin loads, exit status 2;
 * ``ls-fairseq-convert`` on missing, unreadable and wrong kinds of files, and missing output
   folders: one line, exit status 2, nothing written;
 * resuming a fairseq checkpoint as ls_ without converting: the answer names ls-fairseq-convert;
+  an ls_ checkpoint decoded or resumed by plain fairseq (no plugin): fairseq's own errors, which
+  docs/TROUBLESHOOTING.md explains (checked against the real messages);
 * CPU runs: one line saying that the PyTorch reference path runs (speed-ups need a GPU).
 
-A few cases run the real fairseq-train on a tiny corpus; the rest build the components in process.
+(ls-fairseq-compare's bad inputs: tests/test_compare.py; the quickstart's: below and
+tests/test_quickstart.py.)
+
+Two fairseq-train processes show the process-level contract (exit status, no traceback); the
+other fairseq-train cases run fairseq-train's own ``cli_main`` path in this process
+(:func:`train_in_process`), where the plugin is loaded as ``--user-dir`` loads it.
 """
 import argparse
 import glob
@@ -29,6 +42,7 @@ from fairseq import criterions, optim, options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_helpers import DummyTask, make_dictionary
 from test_end_to_end import TINY_MODEL, fairseq_cli, make_tiny_data
+from test_fast_defaults import parsed_config
 
 import ls_fairseq
 from ls_fairseq.cli import convert_checkpoint, quickstart
@@ -143,35 +157,214 @@ def test_fairseq_train_bad_env_value(data_bin, tmp_path):
     assert _files(tmp_path / "save") == []  # no crash.pt, no checkpoint
 
 
-def test_fairseq_train_bad_flag_value(data_bin, tmp_path):
-    proc = _run(_train_cmd(data_bin, tmp_path / "save", more=["--ls-shape-buckets", "3"]))
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert _last_line(proc.stderr) == ("ValueError: --ls-shape-buckets must be 0 (no padding) or a "
-                                       "power of two, got 3")
+def _no_traceback(proc):
+    return "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_fairseq_train_refuses_cuda_graphs_on_the_cpu(data_bin, tmp_path):
+    """The process: one line on stderr, exit status 2, no traceback, nothing saved."""
+    proc = _run(_train_cmd(data_bin, tmp_path / "save", more=["--ls-cuda-graphs"]))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert _no_traceback(proc)
+    assert proc.stderr.strip() == (  # the logs go to stdout: stderr is the one line
+        "ls_fairseq: --ls-cuda-graphs: the model trains on the CPU (--cpu, or no CUDA GPU "
+        "visible to torch), and CUDA graphs need a GPU; drop --ls-cuda-graphs to train without "
+        "it")
     assert _files(tmp_path / "save") == []
 
 
-def test_resume_fairseq_checkpoint_as_ls_names_the_converter(data_bin, tmp_path):
+def train_in_process(argv, level=logging.INFO):
+    """fairseq-train's ``cli_main`` with ``argv``, run in this process: fairseq's option parser,
+    its config, ``distributed_utils.call_main`` (patch 10) and ``fairseq_cli.train.main``.
+    -> (exit status, what it wrote to stderr, the trainers it built, the messages it logged at
+    ``level`` and above)."""
+    import contextlib
+    import io
+
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq_cli import train as fairseq_train
+
+    made, logged = [], []
+
+    class Recorded(fairseq_train.Trainer):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    handler, root = Collect(level), logging.getLogger()
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
+        mp.setattr(fairseq_train, "Trainer", Recorded)
+        mp.setattr(root, "level", min(root.level, level))
+        root.addHandler(handler)
+        try:
+            cfg = convert_namespace_to_omegaconf(
+                options.parse_args_and_arch(options.get_training_parser(), argv))
+            distributed_utils.call_main(cfg, fairseq_train.main)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            root.removeHandler(handler)
+    return code, err.getvalue(), made, logged
+
+
+def _argv(data_bin, save_dir, ls=True, more=()):
+    return _train_cmd(data_bin, save_dir, ls, more)[3:]  # without "python -c ..."
+
+
+DROP = "; drop {} to train without it"
+#: (flags, the line fairseq-train ends with): the issue's table and the bad values
+REFUSED_RUNS = [
+    (["--ls-fused-fp16-copy"], "ls_fairseq: --ls-fused-fp16-copy: this run trains in fp32: there "
+     "are no fp16/bf16 weight copies to fuse (--fp16 or --bf16 train with them)"
+     + DROP.format("--ls-fused-fp16-copy")),
+    (["--ls-deferred-overflow-check"], "ls_fairseq: --ls-deferred-overflow-check: it runs inside "
+     "ls_adam's fused fp16 copy, which cannot apply: this run trains in fp32: there are no "
+     "fp16/bf16 weight copies to fuse (--fp16 or --bf16 train with them)"
+     + DROP.format("--ls-deferred-overflow-check")),
+    (["--ls-async-stats"], "ls_fairseq: --ls-async-stats: it works between several workers "
+     "(GPUs), and this run has one" + DROP.format("--ls-async-stats")),
+    (["--ls-copy-engine-all-reduce"], "ls_fairseq: --ls-copy-engine-all-reduce: it moves the "
+     "gradients between GPUs, and this run trains on the CPU"
+     + DROP.format("--ls-copy-engine-all-reduce")),
+    (["--fp16"], "ls_fairseq: --fp16 needs a CUDA GPU (fairseq's FP16Optimizer keeps its fp32 "
+     "master weights on it), and this run trains on the CPU (--cpu, or no CUDA GPU visible to "
+     "torch): on the CPU train with --bf16, or drop --fp16"),
+    (["--ls-shape-buckets", "3"], "ls_fairseq: --ls-shape-buckets must be 0 (no padding) or a "
+     "power of two, got 3"),
+]
+
+
+@pytest.mark.parametrize("flags,line", REFUSED_RUNS, ids=[" ".join(f) for f, _ in REFUSED_RUNS])
+def test_fairseq_train_refuses_before_training(data_bin, tmp_path, flags, line):
+    code, err, trainers, _ = train_in_process(_argv(data_bin, tmp_path / "save", more=flags))
+    assert code == 2
+    assert err.strip() == line  # the one line, and nothing else on stderr
+    assert all(t.get_num_updates() == 0 for t in trainers)
+    assert _files(tmp_path / "save") == []
+
+
+@pytest.fixture(scope="module")
+def ls_checkpoint(data_bin, tmp_path_factory):
+    """An ls_ checkpoint of a default CPU run (fp32, 2 updates), and that run's trainer and log."""
+    save = tmp_path_factory.mktemp("ls_run")
+    code, err, trainers, logged = train_in_process(_argv(data_bin, save))
+    assert code == 0, err[-3000:]
+    return save / "checkpoint_last.pt", trainers[0], logged
+
+
+GRAPHS_OFF = ("ls-cuda-graphs is off for this run: the model trains on the CPU (--cpu, or no "
+              "CUDA GPU visible to torch), and CUDA graphs need a GPU")
+
+
+def test_a_default_cpu_run_says_once_that_the_cuda_graphs_step_aside(ls_checkpoint):
+    ckpt, trainer, logged = ls_checkpoint
+    assert [line for line in logged if "is off for this run" in line] == [GRAPHS_OFF]
+    assert trainer.get_num_updates() == 2 and ckpt.exists()
+
+
+def test_the_flags_that_apply_on_the_cpu_train(data_bin, tmp_path):
+    """--bf16 on the CPU: the fused fp16 copy and the deferred overflow check apply (the PyTorch
+    path of the same math), and so do the opt-ins --ls-fused-output-ce and --ls-fp8; asked for,
+    they run."""
+    from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
+
+    flags = ["--bf16", "--ls-fused-fp16-copy", "--ls-deferred-overflow-check",
+             "--ls-fused-output-ce", "--ls-fp8", "--no-save"]
+    code, err, trainers, logged = train_in_process(_argv(data_bin, tmp_path / "save",
+                                                         more=flags))
+    assert code == 0, err[-3000:]
+    trainer = trainers[0]
+    assert type(trainer.optimizer) is LSFusedFP16Optimizer and trainer.optimizer.defers_host_reads
+    assert trainer.get_num_updates() == 2
+    assert trainer.get_criterion().ls_fused_output_ce and trainer._model.encoder.layers[0].fp8
+    assert [line for line in logged if "is off for this run" in line] == [GRAPHS_OFF]
+
+
+def test_resume_fairseq_checkpoint_as_ls_names_the_converter(data_bin, tmp_path, monkeypatch):
     """fairseq would say "Criterion does not match; please reset the optimizer
     (--reset-optimizer)", dropping the Adam state; the answer is to convert the checkpoint."""
     fs_dir, ls_dir = tmp_path / "fairseq", tmp_path / "ls"
-    proc = _run(_train_cmd(data_bin, fs_dir, ls=False), TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    code, err, _, _ = train_in_process(_argv(data_bin, fs_dir, ls=False))
+    assert code == 0, err[-3000:]
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
     ckpt = fs_dir / "checkpoint_last.pt"
-    proc = _run(_train_cmd(data_bin, ls_dir, more=["--restore-file", str(ckpt),
-                                                   "--max-update", "4"]))
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    _extension._reset_for_tests()
+    code, err, _, logged = train_in_process(
+        _argv(data_bin, ls_dir, more=["--restore-file", str(ckpt), "--max-update", "4"]))
+    assert code == 2
     converted = fs_dir / "checkpoint_last_ls.pt"
-    assert _last_line(proc.stderr) == (
-        f"ValueError: ls_fairseq: {ckpt} holds fairseq's criterion/optimizer state "
+    assert err.strip() == (
+        f"ls_fairseq: {ckpt} holds fairseq's criterion/optimizer state "
         "(LabelSmoothedCrossEntropyCriterion, FairseqAdam) and this run uses their twins: "
         f"convert it, keeping the Adam state: ls-fairseq-convert {ckpt} {converted} --to ls, "
         f"then resume with --restore-file {converted}")
-    assert "--reset-optimizer" not in proc.stderr
     assert not os.path.exists(ls_dir / "checkpoint_last.pt")
     # --cpu: the promised line, once
-    output = proc.stdout + proc.stderr
-    assert output.count("ls_fairseq: on CPU the PyTorch reference path runs") == 1, output[-3000:]
+    assert logged.count("ls_fairseq: on CPU the PyTorch reference path runs (the CUDA kernels' "
+                        "math, not their speed): the speed-ups need a CUDA GPU") == 1
+
+
+#: what plain fairseq (no plugin) answers for an ls_ checkpoint, run by fairseq's own tools
+PLAIN_FAIRSEQ = """
+import sys
+from fairseq_cli import generate, train
+for name, tool, argv in [("generate", generate, GENERATE), ("train", train, TRAIN)]:
+    sys.argv = ["fairseq-" + name] + argv
+    try:
+        tool.cli_main()
+    except BaseException as exc:  # the last line of the traceback the user sees
+        print(name, "|", type(exc).__name__ + ": " + str(exc).splitlines()[0], flush=True)
+"""
+
+
+def test_ls_checkpoint_with_plain_fairseq_is_explained_in_troubleshooting(data_bin, tmp_path,
+                                                                         ls_checkpoint):
+    """Without the plugin fairseq cannot read an ls_ checkpoint, and nothing of ours runs to say
+    why: decoding fails with a bug of fairseq's own error message (IndexError), resuming as
+    fairseq's transformer with "Criterion does not match". docs/TROUBLESHOOTING.md gives both
+    messages as fairseq prints them, their cause and the fix (--user-dir, or ls-fairseq-convert
+    --to fairseq; not --reset-optimizer, which drops the Adam moments)."""
+    ckpt = ls_checkpoint[0]
+    generate = [str(data_bin), "--path", str(ckpt), "--cpu", "--beam", "2", "--gen-subset", "test"]
+    train = _argv(data_bin, tmp_path / "fs", ls=False, more=["--restore-file", str(ckpt),
+                                                             "--max-update", "4"])
+    code = f"GENERATE = {generate!r}\nTRAIN = {train!r}\n" + PLAIN_FAIRSEQ
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"),
+                          cwd=str(tmp_path), timeout=300)
+    seen = dict(line.split(" | ", 1) for line in proc.stdout.splitlines() if " | " in line
+                and line.split(" | ", 1)[0] in ("generate", "train"))
+    assert seen["generate"] == ("IndexError: Replacement index 1 out of range for positional args "
+                                "tuple"), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert seen["train"].startswith("AssertionError: Criterion does not match; please reset the "
+                                    "optimizer (--reset-optimizer). "
+                                    "LSLabelSmoothedCrossEntropyCriterion vs "
+                                    "LabelSmoothedCrossEntropyCriterion")
+    with open(os.path.join(ROOT, "docs", "TROUBLESHOOTING.md"), encoding="utf-8") as f:
+        doc = f.read()
+    for message in seen.values():
+        row = [line for line in doc.splitlines() if message.split(". ")[0] in line]
+        assert len(row) == 1, message
+        assert all(fix in row[0] for fix in ("--user-dir", "ls-fairseq-convert", "--to fairseq"))
+
+
+def test_arch_typo_names_the_nearest_architectures(capsys):
+    with pytest.raises(SystemExit) as info:
+        options.parse_args_and_arch(options.get_training_parser(), [
+            "/nonexistent", "--arch", "ls_transfomer", "--optimizer", "ls_adam"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error: argument --arch/-a: invalid choice: 'ls_transfomer'" in err.splitlines()[-2]
+    assert err.splitlines()[-1].startswith("ls_fairseq: --arch 'ls_transfomer' is not an "
+                                           "architecture; the nearest: ls_transformer")
 
 
 # ---- the CPU reference path -----------------------------------------------------------------
@@ -203,13 +396,9 @@ def test_cpu_runs_say_once_that_the_reference_path_runs(monkeypatch, caplog):
 def _build(flags):
     """Parse ``flags`` with fairseq's training parser and build the ls_ criterion and optimizer
     through fairseq's registries, as fairseq-train does."""
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        "/nonexistent", "--arch", "ls_transformer", "--task", "translation", "--criterion",
-        "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam", "--lr", "1e-3", *flags])
-    cfg = convert_namespace_to_omegaconf(args)
-    criterions.build_criterion(cfg.criterion, DummyTask(make_dictionary()))
-    optim.build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(3))])
+    args, _ = parsed_config(*flags)  # fairseq's registries build from the parsed arguments too
+    criterions.build_criterion(args, DummyTask(make_dictionary()))
+    optim.build_optimizer(args, [torch.nn.Parameter(torch.zeros(3))])
 
 
 #: (flags, the one line the user sees): "usage: ..." lines are argparse errors (exit status 2),

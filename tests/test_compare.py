@@ -205,13 +205,15 @@ def test_says_what_it_could_not_find(tmp_path, capsys):
         "ppl 26 | wps 400000 | wpb 3000 | bsz 98 | num_updates 400\n"
         "2026-01-01 10:05:10 | INFO | train | epoch 001 | loss 6 | nll_loss 5.6 | ppl 48.5 | wps 100000 | "
         "ups 3.9 | wpb 25000 | bsz 900 | num_updates 400 | lr 5e-05 | gnorm 1.2 | train_wall 100 | wall 310\n")
-    rc = compare.main([sample("baseline_simple"), str(empty), str(tqdm_like), str(tmp_path / "nope"),
-                       "--no-plots", "--labels", "a,b,c,d"])
+    rc = compare.main([sample("baseline_simple"), str(empty), str(tqdm_like), "--no-plots",
+                       "--labels", "a,b,c"])
     text = capsys.readouterr().out
     assert rc == 1  # a run without any training record: most likely a wrong path
     assert "- b: training log: none found (looked for train.log" in text
     assert "- b: detokenised sacreBLEU (eval/sacrebleu.json): " in text and "unreadable" in text
-    assert "- d: run path {} does not exist".format(tmp_path / "nope") in text
+    # through the API, a missing path is one more thing not found
+    missing = compare.load_run(str(tmp_path / "nope"), "d")
+    assert missing.missing == ["run path {} does not exist".format(tmp_path / "nope")]
     # the tqdm log still gives the epoch-level numbers
     tq = compare.load_run(str(tqdm_like), "c")
     assert tq.metrics["wps_epoch1"] == pytest.approx(100000) and tq.metrics["ups_epoch1"] == pytest.approx(3.9)
@@ -219,6 +221,20 @@ def test_says_what_it_could_not_find(tmp_path, capsys):
     assert tq.metrics["wps_interval"] is None
     assert tq.metrics["valid_loss"] == pytest.approx(5.1) and tq.metrics["train_loss"] == pytest.approx(6.0)
     assert "- c: peak memory: no gb_free in the training log" in text
+
+
+def test_a_run_path_that_does_not_exist_is_the_error_alone(tmp_path, capsys):
+    """The command: the error first and alone on stderr, exit status 2, no table, no plots, no
+    JSON."""
+    out, js = tmp_path / "plots", tmp_path / "m.json"
+    with pytest.raises(SystemExit) as info:
+        compare.main([sample("baseline_simple"), str(tmp_path / "nope"), "--out-dir", str(out),
+                      "--json", str(js)])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "ls-fairseq-compare: error: run {} does not exist\n".format(tmp_path / "nope")
+    assert not out.exists() and not js.exists()
 
 
 def test_plots_and_json(tmp_path, capsys):

@@ -327,3 +327,71 @@ def test_max_update_then_extended(tmp_path):
     assert m["steady_epochs"] == "2, 4–5" and m["last_complete_epoch"] == 5
     assert m["wps_steady"] == statistics.median([wps[2], wps[4], wps[5]]) and m["wps_last"] == wps[5]
     assert m["epoch_wall_s"] == statistics.median([160 - 100, ts4 - ts3, ts5 - ts4])
+
+
+def _stopped_in_epoch_2(tmp_path, name, wps2=80362.2):
+    """Epoch 1 whole; --max-update stops training 30 updates into epoch 2, and fairseq logs its
+    end-of-epoch line for those 30 updates all the same (wps 80362.2, as on the H100 run this
+    mirrors)."""
+    log = Log()
+    log.start(0)
+    full_run(log, wps=[40000], ups=[4.0], walls=[100], stamps=[101], train_walls=[90])
+    log.inner(110, 2, 130, 81000)
+    log.add(111, "fairseq_cli.train", "Stopping training due to num_updates: 130 >= max_update: 130")
+    log.epoch(112, 2, 130, wps2, 8.04, 111, 9)
+    log.add(113, "fairseq_cli.train", "done training in 112.0 seconds")
+    return log.write(tmp_path / name)
+
+
+def test_every_epoch_line_is_shown_and_a_cut_short_one_is_labelled(tmp_path):
+    """fairseq's end-of-epoch line of an epoch cut short by --max-update is in the table of every
+    epoch with its wps and ups, labelled; it is left out of "steady" only."""
+    runs, report, _ = compare.compare([write_c(tmp_path), _stopped_in_epoch_2(tmp_path, "h.log")],
+                                      labels=["c", "h"], plots=False)
+    lines = report.splitlines()
+    head = lines.index("## Every epoch: fairseq's end-of-epoch `train` lines")
+    assert lines[head + 2:head + 6] == [
+        "| epoch | c: wps (ups) | h: wps (ups) | h / c (wps) |",
+        "|---:|---:|---:|---:|",
+        "| 1 | 1,200 (1.20), cold | 40,000 (4.00), cold | {:.3f}x |".format(40000 / C["wps"][0]),
+        "| 2 | — | 80,362 (8.04), cut short: 30 of 100 updates | — |"]
+    h = runs[1].metrics
+    assert h["wps_epoch1"] == 40000 and h["wps_steady"] is None
+    assert runs[1].absent["wps_steady"] == "run has 1 complete epoch"
+
+
+def test_an_epoch_1_cut_short_is_shown_labelled(tmp_path):
+    """--max-update inside epoch 1: its figures are fairseq's all the same; the epoch-1 rows
+    show them, labelled, instead of a blank."""
+    log = Log()
+    log.start(0)
+    full_run(log, wps=[1000], ups=[1.0], walls=[50], stamps=[51], train_walls=[45])
+    # stopped after 50 updates of epoch 1: fairseq logs the epoch's end line for them
+    short = Log()
+    short.start(0)
+    short.inner(30, 1, 50, 1100)
+    short.add(31, "fairseq_cli.train", "Stopping training due to num_updates: 50 >= max_update: 50")
+    short.epoch(32, 1, 50, 900, 0.9, 31, 28)
+    run = compare.load_run(short.write(tmp_path / "short.log"), "short")
+    assert run.metrics["wps_epoch1"] == 900 and run.qualifiers["wps_epoch1"] == "cut short: 50 updates"
+    assert run.metrics["epoch1_wall_s"] == 31
+    _, report, _ = compare.compare([log.write(tmp_path / "whole.log"), str(tmp_path / "short.log")],
+                                   labels=["whole", "short"], plots=False)
+    assert "| wps, epoch 1 (cold) | 1,000 | 900 (cut short: 50 updates) | 0.900x |" in report.splitlines()
+
+
+def test_speed_note_and_left_out_rows(tmp_path):
+    """The quickstart on the CPU: the speed rows carry its note instead of a ratio, and the
+    tflops/mfu rows are left out."""
+    ls = Log()
+    ls.start(0)
+    full_run(ls, wps=[1500, 3000], ups=[1.5, 3.0], walls=[80, 115], stamps=[80, 115], train_walls=[70, 30],
+             extra=[dict(tflops=0.0), dict(tflops=0.1)])
+    paths = [write_b(tmp_path), ls.write(tmp_path / "ls.log")]
+    _, report, _ = compare.compare(paths, labels=["b", "ls"], plots=False, omit=("tflops_", "mfu_"),
+                                   speed_note="not a speed test")
+    lines = report.splitlines()
+    assert "tflops" not in report
+    assert "| wps, epoch 1 (cold) | {:,.0f} | 1,500 | not a speed test |".format(B["wps"][0]) in lines
+    assert any(line.startswith("| final train loss |") and line.endswith("x (+0.000) |") for line in lines)
+    assert "| 2 | {:,.0f} ({:.2f}) | 3,000 (3.00) | not a speed test |".format(B["wps"][1], B["ups"][1]) in lines

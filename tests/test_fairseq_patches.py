@@ -12,13 +12,17 @@ import torch
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 from fairseq.trainer import Trainer
 
+from fairseq import options
+from fairseq.distributed import utils as distributed_utils
+
 from fairseq_helpers import IndexDataset, fp16_optimizer_cfg
-from ls_fairseq import fairseq_patches
+from ls_fairseq import fairseq_patches, switches
 from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
 PATCHED = [(Trainer, "train_step"), (Trainer, "_aggregate_logging_outputs"),
            (Trainer, "_check_grad_norms"), (Trainer, "load_checkpoint"),
-           (Trainer, "get_train_iterator"), (Trainer, "clip_grad_norm")]
+           (Trainer, "get_train_iterator"), (Trainer, "clip_grad_norm"), (Trainer, "__init__"),
+           (distributed_utils, "call_main"), (options, "add_model_args")]
 
 
 def test_installed_once_and_fairseqs_methods_stay_reachable():
@@ -26,8 +30,11 @@ def test_installed_once_and_fairseqs_methods_stay_reachable():
     first = [getattr(c, n) for c, n in PATCHED] + [FP16Optimizer.build_optimizer.__func__]
     fairseq_patches.install()
     assert [getattr(c, n) for c, n in PATCHED] + [FP16Optimizer.build_optimizer.__func__] == first
-    for cls, name in PATCHED:
-        assert getattr(cls, name).__wrapped__.__module__ == "fairseq.trainer", name
+    for owner, name in PATCHED:
+        module = getattr(owner, "__module__", None) or owner.__name__
+        if owner is Trainer:
+            module = "fairseq.trainer"
+        assert getattr(owner, name).__wrapped__.__module__ == module, name
 
 
 @pytest.mark.parametrize("optimizer,extra,want", [
@@ -310,13 +317,10 @@ def test_cost_matching_pairs_the_kth_costliest_of_each_window(shards, window):
     assert list(map(key, epoch(window, 1, 1))) != list(map(key, epoch(window, 1, 2)))
 
 
-@pytest.mark.parametrize("workers,window,fixed_line,no_effect_line", [
-    (2, 16, True, False), (2, 0, False, False), (1, 16, False, True), (1, 1, False, False)])
-def test_train_iterator_passes_the_cost_matching_window(workers, window, fixed_line,
-                                                        no_effect_line, caplog):
+@pytest.mark.parametrize("workers,window,fixed_line", [(2, 16, True), (2, 0, False), (1, 1, False)])
+def test_train_iterator_passes_the_cost_matching_window(workers, window, fixed_line, caplog):
     """Patch 7's wrapper hands --ls-cost-matching-window to the iterator of batches fixed to
-    GPUs and says so in its line; where batches are not fixed (one GPU) a window > 1 gets one
-    line saying it has no effect."""
+    GPUs and says so in its line."""
     from fairseq.data import iterators
 
     trainer = _trainer("auto", workers)
@@ -334,5 +338,167 @@ def test_train_iterator_passes_the_cost_matching_window(workers, window, fixed_l
                 window if workers > 1 else None)
     said = [r.message for r in caplog.records]
     assert sum("matched by cost in runs of 16 updates" in m for m in said) == fixed_line
-    assert sum("--ls-cost-matching-window 16 has no effect" in m for m in said) == \
-        no_effect_line
+
+
+def test_cost_matching_window_without_fixed_batches_is_refused():
+    """A window > 1 where batches are not fixed to GPUs cannot apply: the criterion's check
+    refuses it before training (tests/test_fast_defaults.py); the iterator wrapper refuses what
+    that check cannot know (here: one worker, as a backstop)."""
+    from fairseq.data import iterators
+
+    trainer = _trainer("auto", 1)
+    trainer._criterion.ls_cost_matching_window = 16
+    wrapped = fairseq_patches.fixed_batches_train_iterator(
+        lambda self, epoch, **kw: iterators.EpochBatchIterator(IndexDataset(), lambda x: x,
+                                                               [[0]] * 6))
+    with pytest.raises(switches.Refused, match="^--ls-cost-matching-window: it orders the "
+                                               "batches fixed to GPUs, which this run does not "
+                                               "use; drop --ls-cost-matching-window"):
+        wrapped(trainer, 1, load_dataset=False)
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_prefetching_datasets_keep_fairseqs_order(mode, monkeypatch, caplog):
+    """fairseq honours --fix-batches-to-gpus itself for prefetching datasets, and patch 6 leaves
+    their order to fairseq: batches fixed to GPUs step aside with their one line, or are
+    refused when required."""
+    import torch.distributed as dist
+    from fairseq.data import iterators
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def fairseqs(self, epoch, **kwargs):
+        itr = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, [[0]] * 6, num_shards=2)
+        itr._supports_prefetch = True
+        return itr
+
+    wrapped = fairseq_patches.fixed_batches_train_iterator(fairseqs)
+    trainer = _trainer(mode, 2)
+    if mode == "on":
+        with pytest.raises(switches.Refused, match="^--ls-fix-batches-to-gpus: the dataset "
+                                                   "prefetches"):
+            wrapped(trainer, 1, load_dataset=False)
+        return
+    with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
+        for epoch in (1, 2):
+            assert not getattr(wrapped(trainer, epoch, load_dataset=False),
+                               "ls_fix_batches_to_gpus", False)
+    assert trainer._criterion.ls_fix_batches_to_gpus == switches.OFF  # for the run
+    said = [r.message for r in caplog.records if "is off for this run" in r.message]
+    assert said == ["ls-fix-batches-to-gpus is off for this run: the dataset prefetches, and "
+                    "fairseq keeps its own order for such datasets (its --fix-batches-to-gpus "
+                    "gives this order)"]
+
+
+# ---- patch 9: Trainer.__init__ checks the run ---------------------------------------------
+
+def _facts(cuda, workers=1, processes=None):
+    return switches.RunFacts(cuda=cuda, workers=workers, processes=processes or workers)
+
+
+def _common(**kw):
+    base = dict(fp16=False, bf16=False, tpu=False, amp=False, memory_efficient_fp16=False,
+                fp16_no_flatten_grads=False)
+    base.update(kw)
+    return SimpleNamespace(common=SimpleNamespace(**base),
+                           distributed_training=SimpleNamespace(ddp_backend="pytorch_ddp"))
+
+
+@pytest.mark.parametrize("flags,cuda,refused", [
+    (dict(fp16=True), False, True),  # fairseq's FP16Optimizer: flat fp32 master on the GPU
+    (dict(fp16=True), True, False),
+    (dict(fp16=True, memory_efficient_fp16=True), False, False),  # no flat master: runs on CPU
+    (dict(fp16=True, fp16_no_flatten_grads=True), False, False),
+    (dict(bf16=True), False, False),
+    ({}, False, False),
+])
+def test_fp16_on_the_cpu_is_refused_where_fairseq_would_fail(flags, cuda, refused):
+    reason = fairseq_patches.fp16_device_conflict(_common(**flags), _facts(cuda))
+    if not refused:
+        assert reason is None
+        return
+    assert reason == ("--fp16 needs a CUDA GPU (fairseq's FP16Optimizer keeps its fp32 master "
+                      "weights on it), and this run trains on the CPU (--cpu, or no CUDA GPU "
+                      "visible to torch): on the CPU train with --bf16, or drop --fp16")
+
+
+def test_trainer_init_runs_the_check(monkeypatch):
+    """Patch 9 calls check_run with the built trainer, after fairseq's own __init__ (the checks
+    themselves: tests/test_fast_defaults.py; through fairseq-train: tests/test_bad_input.py)."""
+    seen = []
+    monkeypatch.setattr(fairseq_patches, "check_run", lambda trainer: seen.append(trainer.cfg))
+
+    def fairseqs(self, cfg, task, model, criterion, quantizer=None):
+        self.cfg = cfg
+
+    init = fairseq_patches.checked_trainer_init(fairseqs)
+    trainer = SimpleNamespace()
+    init(trainer, "cfg", None, None, None)
+    assert seen == ["cfg"]
+    assert Trainer.__init__.__wrapped__.__qualname__ == "Trainer.__init__"
+
+
+# ---- patch 10: call_main reports a refusal as one line ----------------------------------------
+
+def test_call_main_turns_a_refusal_into_one_line_and_exit_2(capsys):
+    def main(cfg, **kwargs):
+        raise switches.Refused("--ls-x: why; drop --ls-x to train without it")
+
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        options.get_training_parser(), ["/nonexistent", "--arch", "transformer", "--cpu",
+                                        "--distributed-world-size", "1"]))
+    with pytest.raises(SystemExit) as info:
+        distributed_utils.call_main(cfg, main)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "ls_fairseq: --ls-x: why; drop --ls-x to train without it\n"
+
+    def fails(cfg, **kwargs):
+        raise ValueError("not a refusal")
+
+    with pytest.raises(ValueError, match="not a refusal"):  # fairseq's traceback, as before
+        distributed_utils.call_main(cfg, fails)
+
+
+def test_refusal_of_a_spawned_worker_is_read_from_its_traceback():
+    """torch.multiprocessing.spawn (fairseq's launcher on several GPUs) sends a worker's
+    traceback to the parent: the refusal's line comes from there."""
+    trace = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent "
+             "call last):\n  File \"x.py\", line 1, in <module>\n    main()\n"
+             "ls_fairseq.switches.Refused: --ls-x: why; drop --ls-x to train without it\n")
+    exc = torch.multiprocessing.ProcessRaisedException(trace, 1, 1234)
+    assert fairseq_patches.refusal_of_worker(exc) == \
+        "--ls-x: why; drop --ls-x to train without it"
+    other = torch.multiprocessing.ProcessRaisedException(
+        "Traceback (most recent call last):\nRuntimeError: CUDA error\n", 0, 1)
+    assert fairseq_patches.refusal_of_worker(other) is None
+    assert fairseq_patches.refusal_line("ls_fairseq: x holds ...") == "ls_fairseq: x holds ..."
+
+
+# ---- patch 11: a hint after fairseq's error for an unknown --arch ------------------------------
+
+def test_arch_typo_gets_the_nearest_names(capsys):
+    parser = options.get_training_parser()
+    with pytest.raises(SystemExit) as info:
+        options.parse_args_and_arch(parser, ["/nonexistent", "--arch", "ls_transfomer_wmt_en_de"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: argument --arch/-a: invalid choice: 'ls_transfomer_wmt_en_de' (choose " \
+        "from 'transformer_tiny'" in err[-2]  # fairseq's (argparse's) message, unchanged
+    assert err[-1].startswith("ls_fairseq: --arch 'ls_transfomer_wmt_en_de' is not an "
+                              "architecture; the nearest: ls_transformer_wmt_en_de, ")
+    assert err[-1].endswith(
+        " (the ls_ architectures: ls_transformer, ls_transformer_iwslt_de_en, "
+        "ls_transformer_wmt_en_de, ls_transformer_vaswani_wmt_en_de_big, "
+        "ls_transformer_vaswani_wmt_en_fr_big, ls_transformer_wmt_en_de_big, "
+        "ls_transformer_wmt_en_de_big_t2t)")
+    assert fairseq_patches.arch_hint("argument --arch/-a: invalid choice: 'transfomer' "
+                                     "(choose from ...)").startswith(
+        "ls_fairseq: --arch 'transfomer' is not an architecture; the nearest: transformer")
+    # every other error: argparse's alone
+    with pytest.raises(SystemExit):
+        options.parse_args_and_arch(options.get_training_parser(),
+                                    ["/nonexistent", "--arch", "ls_transformer", "--lr", "x"])
+    assert "ls_fairseq:" not in capsys.readouterr().err

@@ -20,7 +20,10 @@ ls-fairseq source checkout, which it never writes into): runs/<name>/train.log,
 runs/<name>/eval/, compare/*.png.
 
 On CPU the ls_ run takes the PyTorch reference path (the kernels' math, not their speed), so it
-runs at about the baseline's speed; it says so. The speed-ups need a CUDA GPU.
+runs at about the baseline's speed; it says so. The speed-ups need a CUDA GPU. On CPU the runs'
+speeds are not compared either: they train one after the other on a machine whose load may
+change in between, so the table's speed rows say "not a speed test" and give the load average
+seen during each run, and the model-FLOP rows (tflops, mfu: a GPU's measure) are left out.
 """
 import argparse
 import json
@@ -30,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +238,58 @@ def _env():
     return env
 
 
+class LoadWatch:
+    """The machine's 1-minute load average, sampled every ``every`` seconds while a block runs
+    (``mean``: None where the system has no load average)."""
+
+    def __init__(self, every=5.0):
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _sample(self):
+        if hasattr(os, "getloadavg"):
+            self.samples.append(os.getloadavg()[0])
+
+    def _loop(self):
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self):
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    @property
+    def mean(self):
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def cpu_speed_note(loads, cores=None):
+    """(the text of the speed rows' ratio cells, the line printed above the table) for CPU runs;
+    ``loads``: run name -> mean load average while it trained (None: unknown)."""
+    cores = cores or os.cpu_count()
+
+    def fmt(load):
+        return "?" if load is None else "{:.1f}".format(load)
+
+    cell = "not a speed test (CPU; load {})".format(
+        ", ".join("{} {}".format(name, fmt(load)) for name, load in loads.items()))
+    line = ("on CPU this is not a speed test: the runs trained one after the other, at a load "
+            "average (1 min, {} cores) of {}; the ls_ run takes the PyTorch reference path, at "
+            "about the baseline's speed (the speed-ups need a CUDA GPU). The speed rows below say "
+            "so instead of giving ratios.").format(
+                cores, ", ".join("{} during {}".format(fmt(load), name)
+                                 for name, load in loads.items()))
+    return cell, line
+
+
 def log(msg):
     print("[quickstart] " + msg, flush=True)
 
@@ -432,7 +488,7 @@ def main(argv=None):
     if args.fresh:
         shutil.rmtree(os.path.join(work, "data"), ignore_errors=True)
     data = prepare_data(work, args.train_sentences, args.valid_sentences, args.test_sentences, args.seed)
-    failures, run_dirs = [], []
+    failures, run_dirs, loads = [], [], {}
     echo = re.compile(r"\| (train_inner|valid|train) \||Stopping training|done training|Error|error:|ls_fairseq: ")
     for name in names:
         save_dir = os.path.join(work, "runs", name)
@@ -443,7 +499,9 @@ def main(argv=None):
             f.write(" ".join(cmd) + "\n")
         log("train {}: {}".format(name, RUNS[name]["arch"]))
         t0 = time.time()
-        rc = run_logged(cmd, os.path.join(save_dir, "train.log"), echo=echo)
+        with LoadWatch() as load:
+            rc = run_logged(cmd, os.path.join(save_dir, "train.log"), echo=echo)
+        loads[name] = load.mean
         if rc != 0:
             failures.append("{}: fairseq-train exited with {}; end of {}:\n{}".format(
                 name, rc, os.path.join(save_dir, "train.log"), _tail(os.path.join(save_dir, "train.log"))))
@@ -465,8 +523,14 @@ def main(argv=None):
         from . import compare
 
         print()
+        extra = {}
+        if not gpu:  # a CPU's speeds under whatever load it had: not compared
+            note, line = cpu_speed_note({n: loads.get(n) for n, _ in run_dirs})
+            extra = dict(omit=("tflops_", "mfu_"), speed_note=note)
+            log(line)
+            print()
         runs, report, plots = compare.compare([d for _, d in run_dirs], labels=[n for n, _ in run_dirs],
-                                              out_dir=os.path.join(work, "compare"))
+                                              out_dir=os.path.join(work, "compare"), **extra)
         print(report)
         print()
         print("## Plots")
@@ -475,9 +539,6 @@ def main(argv=None):
             print("- " + p)
         if not plots:
             print("- none written (is matplotlib installed?)")
-        if not gpu and any(n == "ls" for n, _ in run_dirs):
-            print()
-            log(CPU_NOTE)  # beside the table whose speed ratio it explains
     if failures:
         print("\nFAILED:\n" + "\n".join(failures), file=sys.stderr)
         return 1

@@ -14,7 +14,9 @@ It needs a decoder whose output layer is ``decoder.output_projection`` (no adapt
 CUDA graphs (on by default where they apply; ``--ls-no-cuda-graphs`` off, ``--ls-cuda-graphs``
 required: ``ls_fairseq.switches``) replay the training forward and backward of each batch shape
 (``ls_fairseq.graphs.CudaGraphedLoss``): the same kernels, issued without Python's per-kernel cost.
-They step aside, with one log line, for a model other than ``ls_transformer``. On several GPUs
+They step aside, with one log line, for a model other than ``ls_transformer`` and on the CPU;
+``--ls-cuda-graphs`` on the CPU is refused before training (``check_run``, which fairseq-train
+runs through ``fairseq_patches``, patch 9, for every flag of this criterion). On several GPUs
 they work under fairseq's DDP backends (torch DDP, the default, and legacy_ddp/no_c10d) and
 all-reduce the gradients while the backward runs.
 ``--ls-cuda-graphs-capture`` says when a new shape is captured: at its first sighting (``auto``
@@ -52,7 +54,8 @@ from .. import ops, switches
 from ..workers import several_workers
 from ..flops import TransformerFlops, device_peak_tflops
 from ..graphs import (
-    CAPTURE_CHOICES, MEMORY_CHOICES, CudaGraphedLoss, captures_first_sighting, shape_buckets,
+    CAPTURE_CHOICES, MEMORY_CHOICES, CudaGraphedLoss, captures_first_sighting, peer_all_reduce,
+    shape_buckets,
 )
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from .host_scalars import for_logging, to_host
@@ -223,20 +226,20 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
         if ls_fused_output_ce_chunk < 0:
-            raise ValueError(f"--ls-fused-output-ce-chunk must be >= 0 (0: about 256 MiB of "
-                             f"logits per chunk), got {ls_fused_output_ce_chunk}")
+            raise switches.Refused(f"--ls-fused-output-ce-chunk must be >= 0 (0: about 256 MiB "
+                                   f"of logits per chunk), got {ls_fused_output_ce_chunk}")
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         graphs = switches.resolve(ls_cuda_graphs, ls_no_cuda_graphs, "--ls-cuda-graphs")
         use_graphs = graphs != switches.OFF
         if use_graphs and ls_cuda_graphs_max < 1:
-            raise ValueError(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
+            raise switches.Refused(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
         self.shape_buckets = self._shape_buckets(
             task, ls_shape_buckets, ls_shape_bucket_slack) if use_graphs else None
         copy_engine = switches.resolve(ls_copy_engine_all_reduce, ls_no_copy_engine_all_reduce,
                                        "--ls-copy-engine-all-reduce")
         if copy_engine == switches.ON and not use_graphs:
-            raise ValueError("--ls-copy-engine-all-reduce: it is part of the CUDA-graph engine; "
-                             "drop --ls-no-cuda-graphs")
+            raise switches.Refused("--ls-copy-engine-all-reduce: it is part of the CUDA-graph "
+                                   "engine; drop --ls-no-cuda-graphs")
         first_sighting = captures_first_sighting(str(ls_cuda_graphs_capture),
                                                  padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
@@ -250,9 +253,41 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.ls_fix_batches_to_gpus = switches.resolve(
             ls_fix_batches_to_gpus, ls_no_fix_batches_to_gpus, "--ls-fix-batches-to-gpus")
         if ls_cost_matching_window < 0:
-            raise ValueError(f"--ls-cost-matching-window must be >= 0 (0: off), got "
-                             f"{ls_cost_matching_window}")
+            raise switches.Refused(f"--ls-cost-matching-window must be >= 0 (0: off), got "
+                                   f"{ls_cost_matching_window}")
         self.ls_cost_matching_window = int(ls_cost_matching_window)
+
+    def check_run(self, cfg, run: switches.RunFacts, model=None) -> None:
+        """Before training (``fairseq_patches``, patch 9, with the trainer's whole ``cfg`` and its
+        ``model``): refuses each mechanism of this criterion that the user asked for
+        (``--ls-X``) and that cannot apply to ``run``. On the CPU the CUDA graphs step aside for
+        the run, with their one line. The rest is decided where each mechanism starts (several
+        GPUs: with every rank)."""
+        if self.ls_fused_output_ce and model is not None:
+            self._output_projection(model)
+        if self.graphs is not None and not run.cuda:
+            self.graphs.off_for_run("the model trains on the CPU (--cpu, or no CUDA GPU visible "
+                                    "to torch), and CUDA graphs need a GPU")
+        if self.graphs is not None and self.graphs.copy_engine == switches.ON:
+            reason = peer_all_reduce.run_conflict(run)
+            if reason:
+                raise switches.refusal(peer_all_reduce.FLAG, reason)
+        data_parallel = switches.data_parallel_conflict(run.workers, run.processes)
+        if data_parallel == "":
+            data_parallel = switches.ONE_PROCESS
+        if self.ls_async_stats == switches.ON and data_parallel:
+            raise switches.refusal("--ls-async-stats", data_parallel)
+        grouped = getattr(getattr(cfg, "dataset", None), "grouped_shuffling", False)
+        fixed = data_parallel or (
+            "fairseq's --grouped-shuffling, given too, orders the batches instead" if grouped else
+            "" if self.ls_fix_batches_to_gpus != switches.OFF else
+            "--ls-no-fix-batches-to-gpus turns it off")
+        if self.ls_fix_batches_to_gpus == switches.ON and fixed:
+            raise switches.refusal("--ls-fix-batches-to-gpus", fixed)
+        if self.ls_cost_matching_window > 1 and fixed:
+            raise switches.refusal("--ls-cost-matching-window",
+                                   f"it orders the batches fixed to GPUs, which cannot apply: "
+                                   f"{fixed}")
 
     @staticmethod
     def _shape_buckets(task, steps, slack):
@@ -361,13 +396,21 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             n_correct, total = (argmax.eq(target) & mask).sum(), mask.sum()
         return loss_rows.sum(), nll_rows.sum(), n_correct, total
 
-    def _losses_fused_output(self, model, sample):
+    @staticmethod
+    def _output_projection(model):
+        """The decoder's output projection that --ls-fused-output-ce multiplies by; refused for
+        a model without a bias-free one."""
         decoder = getattr(model, "decoder", None)
         projection = getattr(decoder, "output_projection", None)
         if projection is None or getattr(decoder, "adaptive_softmax", None) is not None or \
                 getattr(projection, "bias", None) is not None:
-            raise ValueError("--ls-fused-output-ce needs a decoder with a bias-free "
-                             "decoder.output_projection (no adaptive softmax)")
+            raise switches.Refused("--ls-fused-output-ce needs a decoder with a bias-free "
+                                   "decoder.output_projection (no adaptive softmax); drop "
+                                   "--ls-fused-output-ce to train without it")
+        return projection
+
+    def _losses_fused_output(self, model, sample):
+        projection = self._output_projection(model)
         features, extra = model(**sample["net_input"], features_only=True)
         target = model.get_targets(sample, (features, extra))
         if self.ignore_prefix_size > 0:

@@ -3,6 +3,8 @@
 each sighting of a shape that has no graphs; ``bench/shape_buckets.py`` simulates it)."""
 import collections
 
+from .. import switches
+
 
 CAPTURE_CHOICES = ("auto", "first-sighting", "second-sighting")  # --ls-cuda-graphs-capture
 
@@ -12,8 +14,9 @@ def captures_first_sighting(capture: str, padded: bool) -> bool:
     batches are padded to bucketed shapes (they recur), else at the second (one-off shapes would
     pay for a capture they never use)."""
     if capture not in CAPTURE_CHOICES:
-        raise ValueError(f"--ls-cuda-graphs-capture must be {', '.join(CAPTURE_CHOICES[:-1])} or "
-                         f"{CAPTURE_CHOICES[-1]}, got {capture!r}")
+        raise switches.Refused(f"--ls-cuda-graphs-capture must be "
+                               f"{', '.join(CAPTURE_CHOICES[:-1])} or {CAPTURE_CHOICES[-1]}, "
+                               f"got {capture!r}")
     return capture == "first-sighting" or (capture == "auto" and padded)
 
 

@@ -41,6 +41,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .. import switches
 from ..ops import _extension, peer_barrier, peer_memory
 from ..ops.shard_reduce import shard_reduce_
 from .flat_gradients import ALIGN
@@ -200,6 +201,21 @@ class _BucketViews:
                     start, end = plan.staged(q, rank, b)
                     self.parts.append(ar.staging[f][start:end])
             self.results = [(flats[f][lo:hi], self.shard) for flats in ar.peer_flats.values()]
+
+
+def run_conflict(run: switches.RunFacts) -> str:
+    """Why the copy-engine all-reduce cannot apply to ``run``, from what is known before training
+    (empty: it may; the rest is decided with every rank at the first update, ``create``)."""
+    if not run.cuda:
+        return "it moves the gradients between GPUs, and this run trains on the CPU"
+    if run.workers != run.processes:
+        return (f"it needs plain data parallelism; this run has {run.workers} data-parallel "
+                f"workers of {run.processes} (model parallelism)")
+    if not 2 <= run.workers <= MAX_WORLD:
+        return f"it takes 2 to {MAX_WORLD} GPUs, and this run has {run.workers}"
+    if run.backend != "nccl":
+        return f"it needs the NCCL backend, and this run uses {run.backend}"
+    return ""
 
 
 def _host_id() -> str:

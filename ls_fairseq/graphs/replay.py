@@ -85,6 +85,8 @@ from .memory import MEMORY_CHOICES, GraphMemory
 
 logger = logging.getLogger(__name__)
 
+FLAG = "--ls-cuda-graphs"
+
 
 class _Graphs:
     """The captured forward/backward pair of one batch shape and its static tensors."""
@@ -169,10 +171,10 @@ class CudaGraphedLoss:
                  capture_first_sighting: bool = False, memory: str = "compact",
                  required: bool = False, copy_engine: str = switches.AUTO):
         if not bucket_mb >= 0:  # NaN too
-            raise ValueError(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
+            raise switches.Refused(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
         if memory not in MEMORY_CHOICES:
-            raise ValueError(f"--ls-cuda-graphs-memory must be one of {', '.join(MEMORY_CHOICES)}"
-                             f", got {memory!r}")
+            raise switches.Refused(f"--ls-cuda-graphs-memory must be one of "
+                                   f"{', '.join(MEMORY_CHOICES)}, got {memory!r}")
         self.memory = memory
         self.required = required  # --ls-cuda-graphs given: where they cannot apply, refuse
         # --ls-(no-)copy-engine-all-reduce: switches.AUTO / ON / OFF (peer_all_reduce.py)
@@ -221,30 +223,36 @@ class CudaGraphedLoss:
 
     def applies(self, model, sample) -> bool:
         """Whether this training call may run through the graphs. Where they cannot apply for
-        the run (torch DDP; by default also a model not known to be capturable) they step aside
-        for good with one log line, or, with ``--ls-cuda-graphs`` given, the run is refused.
-        A batch off the GPU runs eagerly (one warning)."""
+        the run (by default a model not known to be capturable; batches on the CPU) they step
+        aside for good with one log line, or, with ``--ls-cuda-graphs`` given, the run is refused
+        (fairseq-train refuses a CPU run before it starts: the criterion's ``check_run``).
+        Outside fairseq-train, a CPU batch under ``--ls-cuda-graphs`` runs eagerly (one
+        warning)."""
         if self.off_reason is not None:
             return False
-        reason = None
         if not self.required and not getattr(innermost(model), "supports_cuda_graphs", False):
-            reason = (f"the model ({type(innermost(model)).__name__}) is not an ls_transformer, "
-                      f"whose training step is known to be capturable; pass --ls-cuda-graphs to "
-                      f"try it anyway")
-        if reason is not None:
-            switches.refuse_or_step_aside(switches.ON if self.required else switches.AUTO,
-                                          "--ls-cuda-graphs", reason, logger)
-            self.off_reason = reason
+            self.off_for_run(f"the model ({type(innermost(model)).__name__}) is not an "
+                             f"ls_transformer, whose training step is known to be capturable; "
+                             f"pass --ls-cuda-graphs to try it anyway")
             return False
         target = sample.get("target") if isinstance(sample, dict) else None
         if torch.is_tensor(target) and not target.is_cuda:
-            if not self._warned_cpu:
+            if not self.required:
+                self.off_for_run("the batches are on the CPU, and CUDA graphs need a GPU")
+            elif not self._warned_cpu:
                 self._warned_cpu = True
-                log = logger.warning if self.required else logger.info
-                log("--ls-cuda-graphs: the batch is not on a CUDA device; training runs eagerly "
-                    "(no CUDA graphs)")
+                logger.warning(f"{FLAG}: the batch is not on a CUDA device; training runs "
+                               f"eagerly (no CUDA graphs)")
             return False
         return True
+
+    def off_for_run(self, reason: str) -> None:
+        """The graphs cannot apply to this run (``reason``): refused with ``--ls-cuda-graphs``,
+        else they step aside with one log line and every training step runs eagerly."""
+        if self.off_reason is None:
+            switches.refuse_or_step_aside(switches.ON if self.required else switches.AUTO, FLAG,
+                                          reason, logger)
+            self.off_reason = reason
 
     def __call__(self, model, sample, compute):
         ddp = data_parallel_of(model)
@@ -320,8 +328,8 @@ class CudaGraphedLoss:
         if not all(t.is_cuda for t in tensors):
             if not self._warned_cpu:
                 self._warned_cpu = True
-                logger.warning("--ls-cuda-graphs: the batch is not on a CUDA device; training "
-                               "runs eagerly (no CUDA graphs)")
+                logger.warning(f"{FLAG}: the batch is not on a CUDA device; training runs "
+                               f"eagerly (no CUDA graphs)")
             return None
         signature = (id(model), tuple(sorted(net_input)), torch.is_autocast_enabled(),
                      tuple((t.dim(), t.dtype, t.device) for t in tensors))

@@ -37,6 +37,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .. import switches
+
 # the net_input keys of fairseq's translation batches; any other key (e.g. alignments) is not
 # padded and the batch runs at its own shape
 PADDED_KEYS = frozenset({"src_tokens", "src_lengths", "prev_output_tokens"})
@@ -76,10 +78,10 @@ class ShapeBuckets:
         if steps < 0 or steps & (steps - 1):
             # powers of two: grid steps are then powers of two too, so lengths padded to a
             # multiple of a power of two (--required-seq-len-multiple) stay multiples of it
-            raise ValueError(f"--ls-shape-buckets must be 0 (no padding) or a power of two, "
-                             f"got {steps}")
+            raise switches.Refused(f"--ls-shape-buckets must be 0 (no padding) or a power of "
+                                   f"two, got {steps}")
         if not slack >= 0:  # NaN too
-            raise ValueError(f"--ls-shape-bucket-slack must be >= 0, got {slack}")
+            raise switches.Refused(f"--ls-shape-bucket-slack must be >= 0, got {slack}")
         self.steps, self.slack, self.tokens = steps, slack, tokens
         self.shapes: List[Shape] = []  # padded shapes chosen so far, in order of first use
 

@@ -19,12 +19,14 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from .. import ops, switches
-from ..graphs import flat_all_reduce, flat_gradients_of, sharded_step
+from ..graphs import flat_all_reduce, flat_gradients_of, peer_all_reduce, sharded_step
 from . import deferred_overflow
 
 logger = logging.getLogger(__name__)
 
 _FP16_MAX = torch.finfo(torch.float16).max
+FUSED_COPY = "--ls-fused-fp16-copy"
+DEFERRED = "--ls-deferred-overflow-check"
 
 
 @dataclass
@@ -80,25 +82,25 @@ class FairseqLSAdam(FairseqOptimizer):
     def __init__(self, cfg: LSAdamConfig, params):
         super().__init__(cfg)
         if getattr(cfg, "amsgrad", False):
-            raise ValueError("--optimizer ls_adam does not support --amsgrad; use --optimizer adam")
+            raise switches.Refused("--optimizer ls_adam does not support --amsgrad; use "
+                                   "--optimizer adam")
         switches.resolve(getattr(cfg, "ls_fused_fp16_copy", False),
-                         getattr(cfg, "ls_no_fused_fp16_copy", False), "--ls-fused-fp16-copy")
+                         getattr(cfg, "ls_no_fused_fp16_copy", False), FUSED_COPY)
         deferred = switches.resolve(getattr(cfg, "ls_deferred_overflow_check", False),
-                                    getattr(cfg, "ls_no_deferred_overflow_check", False),
-                                    "--ls-deferred-overflow-check")
+                                    getattr(cfg, "ls_no_deferred_overflow_check", False), DEFERRED)
         if deferred == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
-            raise ValueError("--ls-deferred-overflow-check needs the fused fp16 copy: drop "
-                             "--ls-no-fused-fp16-copy")
+            raise switches.Refused(f"{DEFERRED} needs the fused fp16 copy: drop "
+                                   f"--ls-no-fused-fp16-copy")
         # read by LSFusedFP16Optimizer, which runs the sharded step
         self.sharded_step_mode = sharded = switches.resolve(
             getattr(cfg, "ls_sharded_optimizer_step", False),
             getattr(cfg, "ls_no_sharded_optimizer_step", False), sharded_step.FLAG)
         if sharded == switches.ON and getattr(cfg, "ls_no_fused_fp16_copy", False):
-            raise ValueError(f"{sharded_step.FLAG} needs the fused fp16 copy: drop "
-                             f"--ls-no-fused-fp16-copy")
+            raise switches.Refused(f"{sharded_step.FLAG} needs the fused fp16 copy: drop "
+                                   f"--ls-no-fused-fp16-copy")
         if sharded == switches.ON and cfg.fp16_adam_stats:
-            raise ValueError(f"{sharded_step.FLAG} does not support --fp16-adam-stats (its moment "
-                             f"scales are per tensor, not per shard)")
+            raise switches.Refused(f"{sharded_step.FLAG} does not support --fp16-adam-stats (its "
+                                   f"moment scales are per tensor, not per shard)")
         self._optimizer = LSAdam(params, fp16_stats=cfg.fp16_adam_stats, **self.optimizer_config)
         self._logged_flat_all_reduce = False
 
@@ -424,7 +426,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
     def __init__(self, cfg, params, fp32_optimizer, fp32_params, **kwargs):
         super().__init__(cfg, params, fp32_optimizer, fp32_params, **kwargs)
         if not isinstance(fp32_optimizer.optimizer, LSAdam):
-            raise ValueError("--ls-fused-fp16-copy needs --optimizer ls_adam")
+            raise ValueError(f"{FUSED_COPY} needs --optimizer ls_adam")
         if isinstance(fp32_params, dict):
             if len(fp32_params) != 1:
                 raise ValueError("--ls-fused-fp16-copy: pipeline-parallel fp32 params (several "
@@ -493,6 +495,9 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         """Why this optimizer cannot take the sharded step (empty: it can), from what is the
         same on every rank."""
         if not torch.is_tensor(self._master):
+            if self.scaler is None:  # --bf16: fairseq builds one fp32 tensor per parameter
+                return ("it needs fairseq's flat fp32 master, which --bf16 training does not "
+                        "build (one fp32 tensor per parameter): train with --fp16")
             return "it needs fairseq's flat fp32 master (drop --fp16-no-flatten-grads)"
         if self.fp32_optimizer.optimizer.fp16_stats:
             return "it does not support --fp16-adam-stats"
@@ -626,20 +631,58 @@ def _defers_overflow_check(cfg) -> bool:
     then only stops the run on a non-finite grad norm (one update late), as fairseq's trainer
     does at once."""
     opt = getattr(cfg, "optimizer", None)
-    flag = "--ls-deferred-overflow-check"
     mode = switches.resolve(getattr(opt, "ls_deferred_overflow_check", False),
-                            getattr(opt, "ls_no_deferred_overflow_check", False), flag)
+                            getattr(opt, "ls_no_deferred_overflow_check", False), DEFERRED)
     if mode == switches.OFF:
         return False
-    reason = None
-    if getattr(opt, "fp16_adam_stats", False):
-        reason = "it does not support --fp16-adam-stats"
-    else:
-        reason = deferred_overflow.grad_norm_check_conflict(cfg)
+    reason = _deferred_check_conflict(cfg)
     if reason is not None:
-        switches.refuse_or_step_aside(mode, flag, reason, logger)
+        switches.refuse_or_step_aside(mode, DEFERRED, reason, logger)
         return False
     return True
+
+
+def _deferred_check_conflict(cfg):
+    """Why the deferred check cannot run inside the fused copy (None: it can)."""
+    if getattr(getattr(cfg, "optimizer", None), "fp16_adam_stats", False):
+        return "it does not support --fp16-adam-stats"
+    return deferred_overflow.grad_norm_check_conflict(cfg)
+
+
+def _fp16_optimizer_conflict(cfg):
+    """Why fairseq's trainer builds no ``FP16Optimizer`` for ``cfg``, the wrapper whose copies
+    the fused copy replaces (its ``_build_optimizer``: fp32 training, ``--amp``, the
+    memory-efficient wrappers, FSDP under ``--fp16``); None where it builds one."""
+    common = getattr(cfg, "common", None)
+    fp16, bf16 = getattr(common, "fp16", False), getattr(common, "bf16", False)
+    if not (fp16 or bf16 or getattr(common, "amp", False)):
+        return ("this run trains in fp32: there are no fp16/bf16 weight copies to fuse "
+                "(--fp16 or --bf16 train with them)")
+    backend = getattr(getattr(cfg, "distributed_training", None), "ddp_backend", None)
+    if backend == "fully_sharded" and fp16:
+        return ("--ddp-backend fully_sharded trains through fairseq's "
+                "MemoryEfficientFP16Optimizer, which keeps no fp32 master weights to copy")
+    for name in ("memory_efficient_fp16", "memory_efficient_bf16"):
+        if getattr(common, name, False):
+            return (f"--{name.replace('_', '-')} keeps no fp32 master weights (fairseq's "
+                    f"MemoryEfficientFP16Optimizer): there is no copy to fuse")
+    if getattr(common, "amp", False):
+        return "--amp trains through fairseq's AMPOptimizer, which keeps no fp16 weight copies"
+    return None
+
+
+def _fused_copy_step_aside(cfg, cuda: bool):
+    """Why the fused copy steps aside in a run that builds fairseq's FP16Optimizer (None: it
+    applies)."""
+    if getattr(getattr(cfg, "distributed_training", None), "pipeline_model_parallel", False):
+        return "pipeline model parallelism keeps fp32 params on several devices"
+    if getattr(getattr(cfg, "optimizer", None), "fp16_adam_stats", False) and not cuda:
+        return "--fp16-adam-stats with a flat fp32 master needs the CUDA kernels"
+    return None
+
+
+def _trains_on_cuda(cfg) -> bool:
+    return torch.cuda.is_available() and not getattr(getattr(cfg, "common", None), "cpu", False)
 
 
 def fp16_optimizer_class(cfg):
@@ -651,20 +694,59 @@ def fp16_optimizer_class(cfg):
     if opt is None or getattr(opt, "_name", None) != "ls_adam":
         return None
     unfused = LSFP16Optimizer if getattr(getattr(cfg, "common", None), "bf16", False) else None
-    flag = "--ls-fused-fp16-copy"
     mode = switches.resolve(getattr(opt, "ls_fused_fp16_copy", False),
-                            getattr(opt, "ls_no_fused_fp16_copy", False), flag)
+                            getattr(opt, "ls_no_fused_fp16_copy", False), FUSED_COPY)
     if mode == switches.OFF:
         return unfused
-    reason = None
-    dist_cfg = getattr(cfg, "distributed_training", None)
-    common = getattr(cfg, "common", None)
-    if getattr(dist_cfg, "pipeline_model_parallel", False):
-        reason = "pipeline model parallelism keeps fp32 params on several devices"
-    elif getattr(opt, "fp16_adam_stats", False) and not (
-            torch.cuda.is_available() and not getattr(common, "cpu", False)):
-        reason = "--fp16-adam-stats with a flat fp32 master needs the CUDA kernels"
+    reason = _fused_copy_step_aside(cfg, _trains_on_cuda(cfg))
     if reason is not None:
-        switches.refuse_or_step_aside(mode, flag, reason, logger)
+        switches.refuse_or_step_aside(mode, FUSED_COPY, reason, logger)
         return unfused
     return LSFusedFP16Optimizer
+
+
+def _sharded_step_conflict(cfg, run: switches.RunFacts, fused_copy):
+    """Why the sharded step cannot apply to ``run`` (None: it may; the rest is decided with
+    every rank at the first update). ``fused_copy``: why the fused copy cannot, or None."""
+    engine = peer_all_reduce.run_conflict(run)
+    if engine:
+        return f"it runs on the copy-engine all-reduce, which cannot apply: {engine}"
+    if fused_copy is not None:
+        return f"it runs inside ls_adam's fused fp16 copy, which cannot apply: {fused_copy}"
+    common = getattr(cfg, "common", None)
+    if getattr(common, "bf16", False):
+        return ("it needs fairseq's flat fp32 master, which --bf16 training does not build (one "
+                "fp32 tensor per parameter): train with --fp16")
+    if getattr(common, "fp16_no_flatten_grads", False):
+        return "it needs fairseq's flat fp32 master (drop --fp16-no-flatten-grads)"
+    criterion = getattr(cfg, "criterion", None)
+    if not hasattr(criterion, "ls_no_copy_engine_all_reduce"):
+        return ("it runs on the copy-engine all-reduce of --criterion "
+                "ls_label_smoothed_cross_entropy")
+    for off in ("ls_no_copy_engine_all_reduce", "ls_no_cuda_graphs"):
+        if getattr(criterion, off, False):
+            return (f"it runs on the copy-engine all-reduce, which --{off.replace('_', '-')} "
+                    f"turns off")
+    return None
+
+
+def check_run(cfg, run: switches.RunFacts) -> None:
+    """Before training (``fairseq_patches``, patch 9): refuses each mechanism of ls_adam that the
+    user asked for (``--ls-X``) and that cannot apply to ``run``. Switches left to their
+    defaults are not looked at here: each mechanism steps aside, with its one line, where it is
+    decided."""
+    opt = getattr(cfg, "optimizer", None)
+    if getattr(opt, "_name", None) != "ls_adam":
+        return
+    fused = _fp16_optimizer_conflict(cfg) or _fused_copy_step_aside(cfg, run.cuda)
+    if getattr(opt, "ls_fused_fp16_copy", False) and fused:
+        raise switches.refusal(FUSED_COPY, fused)
+    if getattr(opt, "ls_deferred_overflow_check", False):
+        reason = (f"it runs inside ls_adam's fused fp16 copy, which cannot apply: {fused}"
+                  if fused else _deferred_check_conflict(cfg))
+        if reason:
+            raise switches.refusal(DEFERRED, reason)
+    if getattr(opt, "ls_sharded_optimizer_step", False):
+        reason = _sharded_step_conflict(cfg, run, fused)
+        if reason:
+            raise switches.refusal(sharded_step.FLAG, reason)

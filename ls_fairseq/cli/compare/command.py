@@ -8,7 +8,7 @@ from . import plots
 from .curve import CURVE_FROM, curve_metrics
 from .metrics import load_run
 from .parse import LOG_CANDIDATES
-from .report import explanation, markdown_table, summary_dict
+from .report import epoch_table, explanation, markdown_table, summary_dict
 
 
 def default_labels(paths):
@@ -25,8 +25,13 @@ def default_labels(paths):
     return labels
 
 
-def compare(paths, labels=None, out_dir="compare_out", plots=True, curve_from=CURVE_FROM):
-    """Load the runs; -> (runs, markdown report, plot paths: empty without matplotlib)."""
+def compare(paths, labels=None, out_dir="compare_out", plots=True, curve_from=CURVE_FROM,
+            omit=(), speed_note=None):
+    """Load the runs; -> (runs, markdown report, plot paths: empty without matplotlib).
+
+    ``omit``: prefixes of row keys left out of the table (the quickstart on the CPU leaves out
+    ``tflops``/``mfu``, which measure a GPU). ``speed_note``: shown instead of the ratios of the
+    throughput and wall-clock rows (the quickstart on the CPU: not a speed test, and why)."""
     runs = [load_run(p, lab) for p, lab in zip(paths, labels or default_labels(paths))]
     curve_metrics(runs, curve_from)
     report = ["## Runs", ""]
@@ -36,7 +41,10 @@ def compare(paths, labels=None, out_dir="compare_out", plots=True, curve_from=CU
         if r.log and r.log.gpu_name:
             dev = ", {} x {}".format(r.log.world_size or 1, r.log.gpu_name)
         report.append("- **{}**: {} (arch {}{})".format(r.label, r.path, arch, dev))
-    report += ["", markdown_table(runs), ""]
+    report += ["", markdown_table(runs, omit=omit, speed_note=speed_note), ""]
+    epochs = epoch_table(runs, speed_note=speed_note)
+    if epochs:
+        report += ["## Every epoch: fairseq's end-of-epoch `train` lines", "", epochs, ""]
     for paragraph in explanation(runs, curve_from):
         report += [paragraph, ""]
     sources = {r.time_source for r in runs if r.time_source}
@@ -78,6 +86,9 @@ def main(argv=None):
                         help="the loss-curve rows use the training intervals from update N on "
                              "(default: %(default)s, past the warm-up's steep descent)")
     args = parser.parse_args(argv)
+    for path in args.runs:  # a wrong path: the error alone, before anything is read or written
+        if not os.path.exists(path):
+            parser.exit(2, "{}: error: run {} does not exist\n".format(parser.prog, path))
     if args.curve_from < 0:
         parser.error("--curve-from must be >= 0, got {}".format(args.curve_from))
     labels = args.labels.split(",") if args.labels else None

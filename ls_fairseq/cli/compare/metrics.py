@@ -20,6 +20,7 @@ class Run:
         self.notes = []
         self.metrics = OrderedDict()
         self.absent = {}  # metric key -> why this run has no value for that row (shown in its cell)
+        self.qualifiers = {}  # metric key -> what sets this run's value apart (shown beside it)
         self.inner = None  # lists of records (dicts), None without a training log
         self.epochs = None
         self.valid = None
@@ -174,6 +175,7 @@ def epoch_rows(epochs, sessions, has_timestamps):
     for row in rows:
         row["complete"] = True
         row["why_incomplete"] = None
+        row["full_updates"] = typical
         if row["stopped"] and (typical is None or row["updates"] < FULL_EPOCH * typical):
             row["complete"] = False
             row["why_incomplete"] = "cut short by '{}' after {:.0f} updates{}".format(
@@ -210,14 +212,16 @@ def _epoch_metrics(run):
     m["last_complete_epoch"] = float(last["epoch"]) if last else None
 
     first = rows[0] if rows else None
+    first_label = None
     if first is None:
         why_first = "no end-of-epoch line"
     elif first["epoch"] != 1:
         why_first, first = "log starts at epoch {}".format(first["epoch"]), None
-    elif not first["complete"]:
-        why_first, first = "epoch 1 {}".format(first["why_incomplete"]), None
     else:
         why_first = None
+        if not first["complete"]:  # fairseq's figures all the same: shown, and labelled
+            first_label = "cut short: {:.0f}{} updates".format(
+                first["updates"], " of {:.0f}".format(first["full_updates"]) if first["full_updates"] else "")
     if not rows:
         why_steady = why_last = "no end-of-epoch line"
     else:
@@ -240,7 +244,11 @@ def _epoch_metrics(run):
         for suffix, why in (("_epoch1", why_first), ("_steady", why_steady), ("_last", why_last)):
             if m[key + suffix] is None and why:
                 absent[key + suffix] = why
+        if first_label and m[key + "_epoch1"] is not None:
+            run.qualifiers[key + "_epoch1"] = first_label
     m["epoch1_wall_s"] = first["wall_s"] if first else None
+    if first_label and m["epoch1_wall_s"] is not None:
+        run.qualifiers["epoch1_wall_s"] = first_label
     m["epoch_wall_s"] = _median(r["wall_s"] for r in steady)
     m["epoch_train_wall_s"] = _median(r["train_wall"] for r in steady)
     sources = sorted({r["wall_source"] for r in ([first] if first else []) + steady if r["wall_s"] is not None})

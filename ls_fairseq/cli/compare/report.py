@@ -75,10 +75,19 @@ def _cell(run, key, fmt):
     v = run.metrics.get(key)
     if _missing(v) and key in run.absent:
         return "{}, {}".format(ABSENT, run.absent[key])  # says why this row has no counterpart
+    if not _missing(v) and key in run.qualifiers:
+        return "{} ({})".format(_fmt(fmt, v), run.qualifiers[key])  # e.g. an epoch cut short
     return _fmt(fmt, v)
 
 
-def markdown_table(runs):
+#: the rows whose ratios compare speed (throughput, time): what a CPU quickstart does not measure
+SPEED_KEYS = ("wps_", "ups_", "tflops_", "mfu_", "epoch1_wall_s", "epoch_wall_s", "epoch_train_wall_s",
+              "wall_clock_s")
+
+
+def markdown_table(runs, omit=(), speed_note=None):
+    """The comparison table. ``omit``: prefixes of row keys to leave out; ``speed_note``: shown in
+    the ratio cells of the speed rows instead of the ratios."""
     base = runs[0]
     header = ["metric"] + [r.label for r in runs] + ["{} / {}".format(r.label, base.label) for r in runs[1:]]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
@@ -89,8 +98,10 @@ def markdown_table(runs):
             continue
         key, label, fmt, how = row
         vals = [r.metrics.get(key) for r in runs]
-        if all(_missing(v) for v in vals):
+        if all(_missing(v) for v in vals) or key.startswith(tuple(omit)):
             continue
+        if speed_note is not None and how == "ratio" and key.startswith(SPEED_KEYS):
+            how = speed_note
         if section is not None:
             lines.append("| **{}** |".format(section.title) + " |" * (len(header) - 1))
             section = None
@@ -99,6 +110,8 @@ def markdown_table(runs):
             a, b = base.metrics.get(key), r.metrics.get(key)
             if how is None:
                 cells.append("")
+            elif how not in ("ratio", "delta"):  # a note instead of the ratio
+                cells.append(how)
             elif _missing(a) or _missing(b):
                 cells.append(ABSENT)  # no counterpart: the run's own cell says why
             elif a == 0 or b == 0:
@@ -112,6 +125,59 @@ def markdown_table(runs):
     return "\n".join(lines)
 
 
+def _epoch_label(row):
+    """What sets an epoch's figures apart: cold, cut short, split by a restart."""
+    labels = []
+    if not row["complete"]:
+        labels.append("cut short: {:.0f} of {:.0f} updates".format(row["updates"], row["full_updates"])
+                      if row.get("full_updates") else "cut short: {:.0f} updates".format(row["updates"]))
+    if row["split"]:
+        labels.append("split by a restart")
+    elif row["cold"]:
+        labels.append("cold")
+    return ", ".join(labels)
+
+
+def _epoch_cell(row):
+    figures = "{} ({})".format(_fmt("{:,.0f}", row["wps"]), _fmt("{:.2f}", row["ups"]))
+    label = _epoch_label(row)
+    return figures + (", " + label if label else "")
+
+
+def _epoch_wps(run, epoch):
+    """The wps of ``epoch`` for the ratio column: its complete line if there is one, else its last."""
+    rows = [r for r in run.epoch_rows if r["epoch"] == epoch and r["wps"] is not None]
+    complete = [r for r in rows if r["complete"]]
+    return (complete or rows)[-1]["wps"] if rows else None
+
+
+def epoch_table(runs, speed_note=None):
+    """Every end-of-epoch ``train`` line fairseq printed, one row per epoch: each run's wps
+    (ups), labelled where the epoch is cold, cut short (--max-update, --stop-time-hours) or split
+    by a restart; the ratio of its wps to the first run's for the same epoch. Empty when no run
+    has such a line."""
+    epochs = sorted({r["epoch"] for run in runs for r in run.epoch_rows if r["epoch"] is not None})
+    if not epochs:
+        return ""
+    base = runs[0]
+    header = ["epoch"] + ["{}: wps (ups)".format(r.label) for r in runs] + [
+        "{} / {} (wps)".format(r.label, base.label) for r in runs[1:]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * len(header)) + "|"]
+    for epoch in epochs:
+        cells = [str(epoch)]
+        for run in runs:
+            rows = [r for r in run.epoch_rows if r["epoch"] == epoch]
+            cells.append("; ".join(_epoch_cell(r) for r in rows) if rows else ABSENT)
+        for run in runs[1:]:
+            a, b = _epoch_wps(base, epoch), _epoch_wps(run, epoch)
+            if speed_note is not None:
+                cells.append(speed_note)
+            else:
+                cells.append("{:.3f}x".format(b / a) if a and b else ABSENT)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def explanation(runs, curve_from):
     """The paragraphs under the table: what the rows measure."""
     return [
@@ -119,7 +185,9 @@ def explanation(runs, curve_from):
         "prints for the whole epoch, validation and checkpointing at its end included). An epoch is complete "
         "when its end line was logged and it was not cut short by --max-update/--stop-time; epoch 1 is cold "
         "(start-up, warm-up), as is the first epoch of a restarted session; steady = the median over the other "
-        "complete epochs; runs are compared epoch 1 with epoch 1, steady with steady. Wall-clock per epoch: the "
+        "complete epochs; runs are compared epoch 1 with epoch 1, steady with steady (an epoch 1 cut short is "
+        "shown, labelled so). The table of every epoch gives each end-of-epoch line fairseq printed, cut-short "
+        "and cold epochs included and labelled; a cut-short epoch is left out of steady only. Wall-clock per epoch: the "
         "difference of consecutive end lines' `wall` field (fairseq's clock), or of their log timestamps where "
         "that field does not move; epoch 1 counts from the trainer's start.",
         "Interval rows: mean over the logged `train_inner` intervals of all epochs, without the first interval of "
@@ -140,6 +208,7 @@ def explanation(runs, curve_from):
 def summary_dict(runs):
     return OrderedDict(
         (r.label, OrderedDict([("path", r.path), ("metrics", r.metrics), ("epochs", r.epoch_rows),
-                               ("absent", r.absent), ("missing", r.missing), ("notes", r.notes)]))
+                               ("absent", r.absent), ("qualifiers", r.qualifiers), ("missing", r.missing),
+                               ("notes", r.notes)]))
         for r in runs
     )
