@@ -237,6 +237,10 @@ REFUSED_RUNS = [
      "torch): on the CPU train with --bf16, or drop --fp16"),
     (["--ls-shape-buckets", "3"], "ls_fairseq: --ls-shape-buckets must be 0 (no padding) or a "
      "power of two, got 3"),
+    # options of fairseq's transformer the ls_ model does not implement
+    (["--encoder-layerdrop", "0.1"], "ls_fairseq: ls_transformer does not support "
+     "--encoder-layerdrop=0.1; train with fairseq's transformer for this option"),
+    (["--ls-fp8-layers", "ffn"], "ls_fairseq: --ls-fp8-layers 'ffn' needs --ls-fp8"),
 ]
 
 

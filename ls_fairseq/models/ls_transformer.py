@@ -41,6 +41,7 @@ from ..modules import (
     TransformerEncoderLayer,
 )
 from ..modules.sublayers import next_norms
+from ..switches import Refused
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def check_supported(cfg: TransformerConfig):
             value = getattr(value, part, off)
         if value != off and not (off == 0 and not value):
             flag = "--" + path.replace(".", "-").replace("_", "-")
-            raise ValueError(
+            raise Refused(
                 f"ls_transformer does not support {flag}={value!r}; train with fairseq's "
                 "transformer for this option"
             )
@@ -124,14 +125,14 @@ def fp8_layers(cfg) -> FrozenSet[str]:
     given = getattr(cfg, "ls_fp8_layers", None)
     if not getattr(cfg, "ls_fp8", False):
         if given is not None:
-            raise ValueError(f"--ls-fp8-layers {given!r} needs --ls-fp8")
+            raise Refused(f"--ls-fp8-layers {given!r} needs --ls-fp8")
         return frozenset()
     if given is None:
         return frozenset(FP8_LAYERS)
     try:
         return frozenset(_fp8_layer_names(given))
     except ValueError as e:
-        raise ValueError(f"--ls-fp8-layers {e}") from None
+        raise Refused(f"--ls-fp8-layers {e}") from None
 
 
 class LSTransformerEncoder(FairseqEncoder):
