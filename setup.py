@@ -27,7 +27,9 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+# the one place the version lives is the package (read as text: setup.py must not import torch)
+VERSION = re.search(r'^__version__ = "([^"]+)"', open(os.path.join(HERE, "ls_fairseq", "__init__.py")).read(),
+                    re.M).group(1)
 SWITCH = "LS_FAIRSEQ_BUILD_KERNELS"
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")

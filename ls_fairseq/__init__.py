@@ -18,7 +18,7 @@ import importlib.util
 import os
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.6.0.dev0"  # CHANGELOG.md: Unreleased, after 0.5.0
 
 #: the plugin's own command-line tools read their arguments before they need torch or fairseq
 #: (``--help`` is instant); they call :func:`register` themselves when they do

@@ -25,6 +25,8 @@ import zipfile
 import pytest
 import torch
 
+import ls_fairseq
+
 from ls_fairseq import kernels
 from ls_fairseq.ops import _extension
 
@@ -126,7 +128,7 @@ def test_plan_compiles_what_the_jit_build_compiles():
     assert plan["cxx_flags"] == _extension.CXX_FLAGS + ["-g0"]  # no debug info from Python's CFLAGS
     assert plan["nvcc_flags"] == _extension.CUDA_FLAGS + ARCH_FLAGS
     assert plan["module"] == "ls_fairseq._C" and plan["record_name"] == "_C_build.json"
-    assert plan["version"] == "0.1.0+torch2.13.0.cu130"
+    assert plan["version"] == f"{ls_fairseq.__version__}+torch2.13.0.cu130"
     record = plan["record"]
     assert record["gpu_code"] == ["sm_80", "sm_90", "compute_90"]
     assert (record["torch"], record["torch_cuda"], record["nvcc"]) == ("2.13.0+cu130", "13.0", "13.0.48")
@@ -163,7 +165,7 @@ def test_plain_pip_wheel_is_pure_python(tmp_path):
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     wheels = list(tmp_path.glob("*.whl"))
-    assert [w.name for w in wheels] == ["ls_fairseq-0.1.0-py3-none-any.whl"], wheels
+    assert [w.name for w in wheels] == [f"ls_fairseq-{ls_fairseq.__version__}-py3-none-any.whl"], wheels
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert not [n for n in names if n.endswith(".so") or n.endswith("_C_build.json")], names
     assert "ls_fairseq/csrc/layer_norm.cu" in names and "ls_fairseq/kernels.py" in names
@@ -430,6 +432,6 @@ def test_kernels_module_runs_as_a_script():
     out = subprocess.run([sys.executable, "-m", "ls_fairseq.kernels"], capture_output=True,
                          text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith("ls_fairseq 0.1.0 (")
+    assert out.stdout.startswith(f"ls_fairseq {ls_fairseq.__version__} (")
     if not torch.cuda.is_available():
         assert "GPUs: no CUDA device" in out.stdout
