@@ -12,8 +12,7 @@ On N > 1 workers, fairseq's ``Trainer.train_step`` does two things every update 
   ``bool()`` of CUDA tensors several times, and each one waits for the norm.
 
 Each wait empties the GPU's queue, and the GPU then idles while the host queues the rest of the
-update and the next forward: 4-6 ms of a 35 ms update at 8192 tokens on 2x H200
-(docs/PERFORMANCE.md, "Several GPUs").
+update and the next forward (what that costs: docs/PERFORMANCE.md, "Several GPUs").
 
 With the option:
 

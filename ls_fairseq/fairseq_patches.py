@@ -17,7 +17,7 @@ the docstring of each test file there says).
    its ``gnorm``, and resets the interval's clock after the log. When the update does not wait
    for the GPU (ls_adam's deferred overflow check), reading ``gnorm`` waits for the queued GPU
    work, and that wait falls between the wps read and the reset: it counts in no interval, and
-   the logged wps reads high (~7% at ``--log-interval 10``). So at the end of an update that
+   the logged wps reads high. So at the end of an update that
    fairseq-train will log, the GPU is waited for first; the wait fairseq's gnorm read would have
    done anyway, moved before the wps read. Runs whose optimizer reads the gradient norm back
    every update: unchanged.

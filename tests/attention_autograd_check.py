@@ -27,7 +27,6 @@ import itertools
 import logging
 import os
 import re
-import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -35,7 +34,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
-sys.path.insert(0, ROOT)  # this checkout's ls_fairseq, whatever copy is installed
 lib = torch.library.Library("ls_fairseq", "FRAGMENT")
 for name in ("attention.cu", "short_attention.cu"):
     with open(os.path.join(CSRC, name)) as f:

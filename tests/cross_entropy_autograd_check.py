@@ -24,12 +24,10 @@ match its PyTorch branch.
 import itertools
 import os
 import re
-import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this checkout's package, not an installed copy
 CSRC = os.path.join(ROOT, "csrc")
 
 lib = torch.library.Library("ls_fairseq", "FRAGMENT")

@@ -5,7 +5,7 @@ so no update waits for the GPU. On by default with ls_adam's fused fp16 copy whe
 fairseq's ``FP16Optimizer.clip_grad_norm`` reads the gradient norm back to decide whether the
 update overflowed. That read waits for the whole backward; the GPU then idles through the
 trainer's bookkeeping until the next forward is queued (the one host synchronisation left per
-update: ~7 ms of a 33 ms update at 8192 tokens on the H100, docs/PERFORMANCE.md). With this
+update; its cost: docs/PERFORMANCE.md). With this
 option (used by ``ls_adam``'s ``LSFusedFP16Optimizer``):
 
 * ``clip_grad_norm`` computes the norm, the clip factor and the overflow test on the device
