@@ -48,6 +48,7 @@ optimizer_unfused  ``optimizer`` + --ls-no-fused-fp16-copy (fairseq's FP16Optimi
 optimizer_off      ``optimizer`` with LS_FAIRSEQ_KERNELS=off (the PyTorch Adam reference)
 optimizer_shadow   ``optimizer`` under benchlib/probes/adam_shadow.py: every step checked against
                    fairseq's Adam formula on the same inputs (its summary lands in the row)
+ls_unfused         ``ls`` + --ls-no-fused-fp16-copy (the README's command, fairseq's fp16 copies)
 ls_nccl_all_reduce ``ls`` + --ls-no-copy-engine-all-reduce (several GPUs: NCCL's all-reduce)
 ls_whole_step      ``ls`` + --ls-no-sharded-optimizer-step (several GPUs: Adam on every GPU)
 ls_matched         ``ls`` + --ls-cost-matching-window 16 (several GPUs: batches matched by cost)
@@ -125,6 +126,8 @@ VARIANTS["optimizer_sync"] = dict(VARIANTS["optimizer"], flags=["--ls-no-deferre
 VARIANTS["optimizer_unfused"] = dict(VARIANTS["optimizer"], flags=["--ls-no-fused-fp16-copy"])
 VARIANTS["optimizer_off"] = dict(VARIANTS["optimizer"], env={"LS_FAIRSEQ_KERNELS": "off"})
 VARIANTS["optimizer_shadow"] = dict(VARIANTS["optimizer"], shadow=True)
+# the README's command without the fused fp16 copy (fairseq's FP16Optimizer around ls_adam)
+VARIANTS["ls_unfused"] = dict(VARIANTS["ls"], flags=["--ls-no-fused-fp16-copy"])
 # FP8 matmuls in the layers (--ls-fp8), in all of them or in one part of each layer
 VARIANTS["ls_fp8"] = dict(VARIANTS["ls"], flags=["--ls-fp8"])
 VARIANTS["ls_fp8_ffn"] = dict(VARIANTS["ls"], flags=["--ls-fp8", "--ls-fp8-layers", "ffn"])
