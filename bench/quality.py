@@ -551,7 +551,11 @@ def prepare_corpus(a):
             src, tgt = "en", "de"
         else:
             text_dir = a.corpus
-        return text_dir, corpora.preprocess(text_dir, 8, src, tgt), src, tgt
+        # binarised under --workdir (an absolute path), never beside a given text folder: the
+        # device tool replaces a carried folder at each call, under runs still decoding from it
+        dest = (os.path.join(os.path.abspath(a.workdir), os.path.basename(text_dir) + "_bin")
+                if text_dir == a.corpus else os.path.join(text_dir, "bin"))
+        return text_dir, corpora.preprocess(text_dir, 8, src, tgt, dest), src, tgt
 
 
 def arg_parser():

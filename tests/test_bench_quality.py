@@ -450,8 +450,7 @@ def test_benches_side_by_side_prepare_the_corpus_once(monkeypatch, tmp_path):
         events.append("corpus")
         busy.pop()
 
-    def preprocess(text_dir, workers, src, tgt):
-        dest = os.path.join(text_dir, "bin")
+    def preprocess(text_dir, workers, src, tgt, dest):
         if not os.path.exists(dest):
             busy.append(1)
             assert len(busy) == 1, "two binarisations at once"
@@ -481,6 +480,9 @@ def test_benches_side_by_side_prepare_the_corpus_once(monkeypatch, tmp_path):
     assert not errors and events == ["corpus", "preprocess"]
     assert results[0] == results[1] == (str(tmp_path / "synthetic_100"),
                                         str(tmp_path / "synthetic_100" / "bin"), "en", "de")
+    # a given text folder is binarised under --workdir, never beside the text
+    a.corpus = str(tmp_path / "given")
+    assert quality.prepare_corpus(a)[1] == str(tmp_path / "given_bin")
 
 
 def test_overlong_examples_are_the_longest_against_their_references():

@@ -78,10 +78,11 @@ def write_real(outdir):
     return real_corpus.write_corpus(outdir)
 
 
-def preprocess(workdir, workers, src="en", tgt="de"):
-    """Binarises ``workdir/{train,valid[,test]}.{src,tgt}`` into ``workdir/bin`` (joined
-    dictionary; test when its file exists) unless that was done already; returns the folder."""
-    dest = os.path.join(workdir, "bin")
+def preprocess(workdir, workers, src="en", tgt="de", dest=None):
+    """Binarises ``workdir/{train,valid[,test]}.{src,tgt}`` into ``dest`` (default
+    ``workdir/bin``; joined dictionary; test when its file exists) unless that was done already;
+    returns the folder."""
+    dest = dest or os.path.join(workdir, "bin")
     if os.path.exists(os.path.join(dest, f"dict.{src}.txt")):
         return dest
     test = os.path.join(workdir, "test")
