@@ -601,3 +601,17 @@ def test_adam_shadow_accepts_ls_adam_and_catches_a_wrong_step(monkeypatch, plant
         assert bad.get("master", 0) >= 6 and bad.get("fp16", 0) >= 6
     else:
         assert bad.get("step", 0) >= 6
+
+
+def test_adam_shadow_measures_the_master_at_its_operand_scale():
+    """A step that nearly cancels a weight leaves a tiny value whose own float32 spacing is far
+    below the rounding of ``p - step``: the master is measured at the spacing of the weight
+    before the step, so that rounding is not reported as a wrong step, while an error of the
+    weight's own size still is."""
+    import torch
+
+    p0, ref = torch.tensor([1.0, 0.5]), torch.tensor([3e-8, 0.25])
+    rounded = ref + torch.tensor([6e-8, 0.0])  # one spacing of 1.0 (2^-23 ~ 1.2e-7) or less
+    assert adam_shadow._ulps(rounded, ref) > 1e5  # at its own spacing: "wrong"
+    assert adam_shadow._ulps(rounded, ref, p0) <= 1.0
+    assert adam_shadow._ulps(ref + torch.tensor([1e-3, 0.0]), ref, p0) > adam_shadow.MAX_ULPS

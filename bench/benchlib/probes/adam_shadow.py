@@ -8,7 +8,8 @@ learning rate); after it, it recomputes the step with the operations of fairseq'
 ``Adam.step`` on that snapshot and compares:
 
 * the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (in units of the float32 spacing at the
-  reference value: rounding alone stays within a few units);
+  reference value, for the master at the larger of it and the value before the step: rounding
+  alone stays within a few units);
 * the fp16 model weights against the new master rounded to fp16 (must be equal);
 * the Adam step count against the number of steps that really updated the weights;
 * an update whose scaled gradients are not finite must leave everything untouched.
@@ -30,12 +31,15 @@ import sys
 MAX_ULPS = 8.0
 
 
-def _ulps(x, ref):
-    """max |x - ref| in float32 spacings at |ref| (2^-23 relative, at least the smallest
-    normal's spacing)."""
+def _ulps(x, ref, operand=None):
+    """max |x - ref| in float32 spacings at max(|ref|, |operand|) (2^-23 relative, at least the
+    smallest normal's spacing). The master's ``operand`` is its value before the step: where the
+    step nearly cancels it, the new value is tiny and its own spacing far below the rounding of
+    ``p - step``, which is the spacing of ``p``."""
     import torch
 
-    spacing = ref.abs().clamp_min(torch.finfo(torch.float32).tiny) * 2.0 ** -23
+    scale = ref.abs() if operand is None else torch.maximum(ref.abs(), operand.abs())
+    spacing = scale.clamp_min(torch.finfo(torch.float32).tiny) * 2.0 ** -23
     return float(((x.double() - ref.double()).abs() / spacing.double()).max())
 
 
@@ -105,8 +109,9 @@ class Shadow:
             if group["weight_decay"] != 0:
                 p.add_(p, alpha=-group["weight_decay"] * group["lr"])
             p.addcdiv_(m, denom, value=-step_size)
-            for name, got, ref in (("master", p1, p), ("exp_avg", m1, m), ("exp_avg_sq", v1, v)):
-                ulps = _ulps(got, ref)
+            for name, got, ref, operand in (("master", p1, p, p0), ("exp_avg", m1, m, None),
+                                            ("exp_avg_sq", v1, v, None)):
+                ulps = _ulps(got, ref, operand)
                 row[name + "_ulps"] = ulps
                 self.worst[name] = max(self.worst[name], ulps)
                 self.bad[name] += ulps > MAX_ULPS
