@@ -34,6 +34,11 @@ import torch
 # is imported, so this process keeps its own thread count.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+if not torch.cuda.is_available():  # tests/fork_cli.py: commands and gloo workers start preloaded
+    import fork_cli
+
+    fork_cli.configure()
+
 GPU_HINT = 'bash scripts/run_tests.sh -m gpu (smoke grids) or -m "gpu or exhaustive" (full grids)'
 
 

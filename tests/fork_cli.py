@@ -18,7 +18,8 @@ a command without ``--user-dir`` sees plain fairseq.
 
 Used only where no CUDA device is visible (forking after CUDA is set up is undefined); set
 ``LS_TESTS_FORK_CLI=0`` to run every command in a fresh interpreter. Anything that is not
-``sys.executable -c ...`` or ``sys.executable -m ...`` runs with subprocess as before.
+``sys.executable -c ...`` or ``sys.executable -m ...`` runs with subprocess as before. The same
+server starts the gloo workers of ``ls_fairseq.testing.fairseq_helpers.run_workers``.
 """
 import atexit
 import builtins
@@ -32,13 +33,14 @@ import tempfile
 import threading
 import types
 import warnings
-from multiprocessing import spawn
+from multiprocessing import forkserver, spawn
 
 #: what the server imports once (never ls_fairseq: see the module doc)
 PRELOAD = ["torch", "torch._dynamo", "fairseq", __name__]
 _context = None
 _base_path = None
 _lock = threading.Lock()
+_ENVIRON = dict(os.environ)  # at import: collection, before any test changes it
 _get_preparation_data = spawn.get_preparation_data
 
 
@@ -55,6 +57,13 @@ def _forkable(cmd):
             and enabled())
 
 
+def configure():
+    """Makes multiprocessing's forkserver preload :data:`PRELOAD` (tests/conftest.py, where no
+    CUDA device is visible; the server starts at its first use, here or in
+    ``ls_fairseq.testing.fairseq_helpers.run_workers``)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+
+
 def _server():
     global _context, _base_path
     if _context is None:
@@ -62,9 +71,17 @@ def _server():
         _base_path = subprocess.run(
             [sys.executable, "-E", "-c", "import sys; print('\\n'.join(sys.path[1:]))"],
             capture_output=True, text=True, check=True).stdout.splitlines()
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        _context = context
+        configure()
+        # started with the environment of the run's start, not that of the test at hand
+        current = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_ENVIRON)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(current)
+        _context = multiprocessing.get_context("forkserver")
     return _context
 
 
