@@ -14,11 +14,11 @@ Bad inputs (wrong files, missing folders, unconverted resumes) are in tests/test
 import os
 import re
 import shutil
-import subprocess
 import sys
 
+import fork_cli
 import pytest
-from test_end_to_end import TINY_MODEL, fairseq_cli, make_tiny_data
+from test_end_to_end import TINY_MODEL, fairseq_cli
 
 import ls_fairseq
 from ls_fairseq.cli import convert_checkpoint
@@ -39,8 +39,7 @@ def _env(weights_only_off=False):
 
 
 def run(cmd, weights_only_off=False, cwd=None, stdout_only=False):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(weights_only_off),
-                          cwd=cwd or ROOT, timeout=600)
+    proc = fork_cli.run(cmd, env=_env(weights_only_off), cwd=cwd or ROOT, timeout=600)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}:\n{proc.stdout[-3000:]}\n" \
                                  f"{proc.stderr[-3000:]}"
     return proc.stdout if stdout_only else proc.stdout + proc.stderr
@@ -76,11 +75,6 @@ def generate(data_bin, checkpoint, ls):
     hyps = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", out, re.M))
     assert hyps, out[-2000:]
     return hyps
-
-
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 PLAIN_FAIRSEQ_LOAD = """

@@ -8,8 +8,23 @@ of the JIT build, taken from torch's own build-file writer for ``_extension._bui
 torch chooses; ``_extension.CUDA_FLAGS`` / ``CXX_FLAGS``; the extension defines and include
 paths), for sm_90 (H100/H200; the JIT build targets the running GPU), then links the objects
 into one shared library as the JIT build does (catching a non-inline definition in a shared
-header, which compiles per file but breaks the link). Files are compiled one after the other (CI
-has 2 cores); the tests skip only when no nvcc is found.
+header, which compiles per file but breaks the link). The tests skip only when no nvcc is found.
+
+When it runs: nvcc on all of csrc/ takes about 6 minutes of two cores, for a check whose answer
+changes only when the build's inputs change. So the nvcc tests (marker ``csrc``) run when
+``-m`` names the marker (``bash scripts/run_tests.sh -m csrc``) or when the build's inputs
+(csrc/, and ``ls_fairseq/ops/_extension.py`` with the flags) differ from the merge base with the
+main branch (``origin/main``, else ``main``), working-tree edits and untracked files included;
+on the main branch itself (the merge base is the checkout), the base is the first parent, so
+CI's run of a merge or commit that changes csrc/ compiles it. When that cannot be told (no git,
+no main branch, a shallow clone without the parent) they run too: a check skipped on an
+unknown would let a broken kernel file pass. Why git history and not a cache: a cache keyed by a
+hash of csrc/ is empty on every clean checkout (CI, a fresh clone), so it would compile every
+time; the history is in every clone and CI's checkout. Either way tests/conftest.py prints one
+line that says whether it runs and why, before the compile starts, and at the end. All files
+compile in parallel, one nvcc per core (each file is still its own test), so the whole check
+takes half its serial time on the 2-core CI machine. The cheap source checks below
+(``test_sources_found``, ``test_registers_with_fragment``) always run.
 
 A CPU-only torch wheel ships the ATen/c10 CUDA headers but not ``c10/cuda/impl/cuda_cmake_macros.h``
 (generated at torch's build) nor the CUDA math libraries' headers that ``ATen/cuda/CUDAContext.h``
@@ -27,6 +42,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -39,6 +55,45 @@ CSRC = os.path.join(REPO, "csrc")
 SOURCES = _extension.source_files(CSRC)
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
 PER_FILE_TIMEOUT_S = 600
+#: what the extension's build depends on, relative to the repository root (see the module doc)
+BUILD_INPUTS = ("csrc", "ls_fairseq/ops/_extension.py")
+MAIN_REFS = ("origin/main", "main")
+
+
+def _git(*args):
+    try:
+        proc = subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def csrc_check_decision(asked=False):
+    """(run, why): whether the nvcc tests run in this checkout (the rule: module doc)."""
+    if asked:
+        return True, "asked for (-m names csrc)"
+    if _git("rev-parse", "--is-inside-work-tree") != "true":
+        return True, "not a git checkout, so whether csrc/ changed cannot be told"
+    head = _git("rev-parse", "HEAD")
+    main = next((ref for ref in MAIN_REFS if _git("rev-parse", "--verify", "-q", ref)), None)
+    if main is None:
+        return True, f"no {' or '.join(MAIN_REFS)} branch to compare csrc/ with"
+    base = _git("merge-base", "HEAD", main)
+    where = f"the merge base with {main}"
+    if base == head:  # on the main branch: what its last commit or merge brought
+        base, where = _git("rev-parse", "--verify", "-q", "HEAD^1"), "HEAD^1 (on the main branch)"
+    if not base:
+        return True, f"no commit to compare csrc/ with ({where} is missing: shallow clone?)"
+    changed = (_git("diff", "--name-only", base, "--", *BUILD_INPUTS) or "").split()
+    changed += (_git("ls-files", "--others", "--exclude-standard", "--", *BUILD_INPUTS)
+                or "").split()
+    short = base[:10]
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return True, (f"{shown} changed since {short}, {where}; nvcc on {len(SOURCES)} files, "
+                      f"{_jobs()} at a time (about 6 minutes of one core)")
+    return False, f"csrc/ unchanged since {short}, {where}"
 
 # Header -> stand-in text (opaque types only), generated only if the header is missing.
 _STANDINS = {
@@ -199,30 +254,52 @@ def object_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("objects")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-@pytest.mark.parametrize("source", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
-def test_compiles(source, standin_dir, object_dir):
-    output = str(object_dir / (os.path.basename(source) + ".o"))
-    cmd = _command(source, output, standin_dir)
+def _compile(source, output, standin):
+    """(command, exit status or None on a timeout, log, seconds) of one file's compile."""
+    cmd = _command(source, output, standin)
     start = time.time()
     try:
         proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True,
                               timeout=PER_FILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        return cmd, None, "", time.time() - start
+    return cmd, proc.returncode, proc.stdout + proc.stderr, time.time() - start
+
+
+def _jobs():
+    return max(1, os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="module")
+def compiled(standin_dir, object_dir):
+    """Every source compiled once, one nvcc per core: source -> _compile's tuple."""
+    outputs = {s: str(object_dir / (os.path.basename(s) + ".o")) for s in SOURCES}
+    with ThreadPoolExecutor(max_workers=_jobs()) as pool:
+        futures = {s: pool.submit(_compile, s, outputs[s], standin_dir) for s in SOURCES}
+        return {s: f.result() for s, f in futures.items()}
+
+
+@pytest.mark.csrc
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+@pytest.mark.parametrize("source", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
+def test_compiles(source, compiled, object_dir):
+    output = str(object_dir / (os.path.basename(source) + ".o"))
+    cmd, status, log, elapsed = compiled[source]
+    if status is None:
         pytest.fail(f"nvcc took more than {PER_FILE_TIMEOUT_S} s on {os.path.basename(source)}")
-    elapsed = time.time() - start
-    if proc.returncode != 0:
-        log = (proc.stdout + proc.stderr).strip().splitlines()
+    if status != 0:
+        log = log.strip().splitlines()
         pytest.fail(
-            f"{os.path.basename(source)} does not compile (nvcc exit {proc.returncode}, "
+            f"{os.path.basename(source)} does not compile (nvcc exit {status}, "
             f"{elapsed:.0f} s):\n" + "\n".join(log[-80:]) + "\ncommand: " + cmd
         )
     assert os.path.getsize(output) > 0
     print(f"{os.path.basename(source)}: compiled in {elapsed:.0f} s", file=sys.stderr)
 
 
+@pytest.mark.csrc
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-def test_objects_link_into_one_library(object_dir):
+def test_objects_link_into_one_library(compiled, object_dir):
     """The objects of test_compiles link into one shared library (torch's libraries stay
     unresolved here, as a shared library allows): a symbol defined in two objects fails."""
     objects = sorted(str(object_dir / (os.path.basename(s) + ".o")) for s in SOURCES)
@@ -243,9 +320,10 @@ ELSEWHERE = re.compile(r"^(?:cuda|__cuda|__nv|c10::cuda::|at::cuda::|at::CUDAGen
                        r"delete)|TLS init function for |__cxa|__gxx|_Unwind|[A-Za-z_][A-Za-z0-9_]*$)")
 
 
+@pytest.mark.csrc
 @pytest.mark.skipif(NVCC is None or shutil.which("nm") is None or shutil.which("c++filt") is None,
                     reason="nvcc, nm or c++filt not found")
-def test_objects_need_only_symbols_torch_defines(object_dir):
+def test_objects_need_only_symbols_torch_defines(compiled, object_dir):
     """Every symbol the objects of test_compiles leave undefined is defined by another of them, by
     torch's CPU libraries, or lives where this machine cannot look (ELSEWHERE: CUDA, the C and C++
     runtimes). A template torch does not instantiate (``data_ptr<long long>``: int64 is ``long``

@@ -6,13 +6,18 @@ converted to fairseq's architecture generates the same hypotheses (fairseq-gener
 fairseq-interactive through ls_fairseq's own beam search); checkpoints load under
 torch>=2.6 without TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD; several gloo workers log what one worker
 logs, and four workers' checkpoint resumes on one.
+
+Every command runs as its own process (tests/fork_cli.py: forked from a server that has torch
+and fairseq imported, where no CUDA device is visible; a fresh interpreter otherwise). The tiny
+corpus and one trained model are shared by the whole test run (tests/conftest.py's ``data_bin``
+and ``trained``, built by :func:`make_tiny_data` and :class:`Trained`).
 """
 import os
 import random
 import re
-import subprocess
 import sys
 
+import fork_cli
 import pytest
 
 import ls_fairseq
@@ -46,7 +51,7 @@ def _env(plain_fairseq=False):
 
 
 def run(cmd, plain_fairseq=False):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(plain_fairseq))
+    proc = fork_cli.run(cmd, env=_env(plain_fairseq))
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc.stdout + proc.stderr
@@ -55,11 +60,6 @@ def run(cmd, plain_fairseq=False):
 def fairseq_cli(name):
     return [sys.executable, "-c", f"import sys; from fairseq_cli.{name} import cli_main; "
             "sys.argv[0] = 'fairseq'; cli_main()"]
-
-
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 def make_tiny_data(root):
@@ -103,6 +103,26 @@ def train_cmd(data_bin, save_dir, arch, extra, max_update,
         *more]
 
 
+#: the run behind tests/conftest.py's session fixture ``trained`` (one per test run): the
+#: architecture and flags of the loss-curve comparison with fairseq, long enough that beam search
+#: gives varied, mostly stable hypotheses (bf16 against fp32 decoding)
+TRAINED_ARCH = "ls_transformer_wmt_en_de_big_t2t"
+TRAINED_EXTRA = ["--share-all-embeddings", "--dropout", "0.1"]
+TRAINED_UPDATES = 200
+
+
+class Trained:
+    """The shared trained model: ``checkpoint`` (checkpoint_last.pt) and the run's ``log``."""
+
+    def __init__(self, data_bin, save_dir):
+        self.log = train(data_bin, save_dir, TRAINED_ARCH, TRAINED_EXTRA, TRAINED_UPDATES)
+        self.checkpoint = save_dir / "checkpoint_last.pt"
+
+
+def train_trained(data_bin, save_dir):
+    return Trained(data_bin, save_dir)
+
+
 def generate(data_bin, checkpoint, user_dir=True, extra=()):
     out = run(fairseq_cli("generate") + [
         str(data_bin), "--path", str(checkpoint), "--beam", "4", "--batch-size", "7",
@@ -131,23 +151,21 @@ def test_train_resume_generate(data_bin, tmp_path, arch, extra):
 
 
 def _interactive(data_bin, checkpoint, lines, user_dir=True):
-    proc = subprocess.run(
+    proc = fork_cli.run(
         fairseq_cli("interactive") + [str(data_bin), "--path", str(checkpoint), "--beam", "3",
                                       "--source-lang", "src", "--target-lang", "tgt",
                                       "--buffer-size", "3", "--batch-size", "2"]
         + (["--user-dir", USER_DIR] if user_dir else []),
-        input="".join(line + "\n" for line in lines), capture_output=True, text=True,
-        env=_env(plain_fairseq=not user_dir))
+        input="".join(line + "\n" for line in lines), env=_env(plain_fairseq=not user_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
-def test_interactive_matches_fairseq(data_bin, tmp_path):
+def test_interactive_matches_fairseq(data_bin, trained, tmp_path):
     """fairseq-interactive with an ls_ checkpoint decodes with LSSequenceGenerator, in buffers of
     several batches, and prints the hypotheses of fairseq-interactive with the same checkpoint
     converted to fairseq's transformer (fp32, CPU: same tokens; scores printed within 1e-5)."""
-    train(data_bin, tmp_path, "ls_transformer", ["--share-all-embeddings"], 40)
-    ls_ckpt, fs_ckpt = tmp_path / "checkpoint_last.pt", tmp_path / "as_fairseq.pt"
+    ls_ckpt, fs_ckpt = trained.checkpoint, tmp_path / "as_fairseq.pt"
     run([sys.executable, "-m", "ls_fairseq.cli.convert_checkpoint", str(ls_ckpt), str(fs_ckpt),
          "--to", "fairseq"])
     lines = ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9 w10 w11", "w2", "w3 w3 w5 w7 w1", "w9 w8 w7 w6"]
@@ -164,14 +182,14 @@ def test_interactive_matches_fairseq(data_bin, tmp_path):
     assert len({text for _, text in a.values()}) > 1  # not one degenerate output for every line
 
 
-def test_learns_and_matches_fairseq_loss_curve(data_bin, tmp_path):
-    """Same data, seed, hyperparameters: the ls_ run's losses track the fairseq baseline's (same
-    initial weights; dropout masks differ, so curves agree within noise, not bit for bit)."""
-    extra = ["--share-all-embeddings", "--dropout", "0.1"]
-    ls_log = train(data_bin, tmp_path / "ls", "ls_transformer_wmt_en_de_big_t2t", extra, 150)
-    ref_log = train(data_bin, tmp_path / "ref", "transformer_wmt_en_de_big_t2t", extra, 150,
-                    criterion="label_smoothed_cross_entropy", optimizer="adam")
-    ls_l, ref_l = losses(ls_log), losses(ref_log)
+def test_learns_and_matches_fairseq_loss_curve(data_bin, trained, tmp_path):
+    """Same data, seed, hyperparameters: the ls_ run's losses (the shared trained run) track the
+    fairseq baseline's (same initial weights; dropout masks differ, so curves agree within noise,
+    not bit for bit)."""
+    assert TRAINED_ARCH == "ls_" + "transformer_wmt_en_de_big_t2t"
+    ref_log = train(data_bin, tmp_path / "ref", "transformer_wmt_en_de_big_t2t", TRAINED_EXTRA,
+                    TRAINED_UPDATES, criterion="label_smoothed_cross_entropy", optimizer="adam")
+    ls_l, ref_l = losses(trained.log), losses(ref_log)
     assert len(ls_l) == len(ref_l) >= 20
     assert abs(ls_l[0] - ref_l[0]) < 0.05  # identical init: first logged losses nearly equal
     assert ls_l[-1] < ls_l[0] - 1.0  # it learns
@@ -186,9 +204,8 @@ def test_memory_efficient_fp16(data_bin, tmp_path):
     assert l[-1] < l[0]
 
 
-def test_converted_checkpoint_generates_identical_hypotheses(data_bin, tmp_path):
-    train(data_bin, tmp_path, "ls_transformer_wmt_en_de_big_t2t", ["--share-all-embeddings"], 60)
-    ls_ckpt = tmp_path / "checkpoint_last.pt"
+def test_converted_checkpoint_generates_identical_hypotheses(data_bin, trained, tmp_path):
+    ls_ckpt = trained.checkpoint
     fs_ckpt, back_ckpt = tmp_path / "as_fairseq.pt", tmp_path / "back_to_ls.pt"
     convert = [sys.executable, "-m", "ls_fairseq.cli.convert_checkpoint"]
     assert "transformer_wmt_en_de_big_t2t" in run(convert + [str(ls_ckpt), str(fs_ckpt), "--to", "fairseq"])
@@ -198,24 +215,28 @@ def test_converted_checkpoint_generates_identical_hypotheses(data_bin, tmp_path)
     back_hyps, _ = generate(data_bin, back_ckpt)
     assert ls_hyps == fs_hyps == back_hyps
     # and fairseq can keep training the converted checkpoint with its own components
-    train(data_bin, tmp_path, "transformer_wmt_en_de_big_t2t", ["--share-all-embeddings"], 70,
-          criterion="label_smoothed_cross_entropy", optimizer="adam",
-          more=["--restore-file", str(fs_ckpt)], plain_fairseq=True)
+    log = train(data_bin, tmp_path, "transformer_wmt_en_de_big_t2t", TRAINED_EXTRA,
+                TRAINED_UPDATES + 10, criterion="label_smoothed_cross_entropy", optimizer="adam",
+                more=["--restore-file", str(fs_ckpt)], plain_fairseq=True)
+    assert re.search(r"Loaded checkpoint .*as_fairseq.pt .*@ %d updates" % TRAINED_UPDATES, log), \
+        log[-2000:]
+    assert "num_updates %d" % (TRAINED_UPDATES + 10) in log or \
+        "num_updates=%d" % (TRAINED_UPDATES + 10) in log
 
 
-def test_bf16_decodes_in_bfloat16(data_bin, tmp_path):
+def test_bf16_decodes_in_bfloat16(data_bin, trained):
     """fairseq-generate --bf16 with an ls_ checkpoint decodes in bfloat16 (fairseq 0.12 alone
     reads --bf16 as TPU and decodes in fp32): the model's own log line names the dtype its
     parameters have after fairseq's inference set-up, every sentence is translated, and most
     hypotheses are those of fp32 decoding (bf16 rounding flips near-ties between beams; 19 of 21
-    agreed on this corpus after 200 updates, 85% is required)."""
-    train(data_bin, tmp_path, "ls_transformer_wmt_en_de_big_t2t", ["--share-all-embeddings"], 200)
-    ckpt = tmp_path / "checkpoint_last.pt"
+    agreed on this corpus with the shared trained model, 85% is required)."""
+    ckpt = trained.checkpoint
     fp32, _ = generate(data_bin, ckpt, extra=["--cpu"])
     bf16, out = generate(data_bin, ckpt, extra=["--cpu", "--bf16"])
     assert re.search(r"--bf16: decoding in torch\.bfloat16 on cpu", out), out[-3000:]
     assert sorted(bf16) == sorted(fp32)
     same = sum(bf16[k] == v for k, v in fp32.items())
+    print(f"bf16: {same}/{len(fp32)} hypotheses as in fp32 decoding")
     assert same >= 0.85 * len(fp32), (same, len(fp32))
 
 
@@ -241,10 +262,11 @@ def _gloo_workers(cmd, workers):
     args = ["--distributed-backend", "gloo", "--distributed-world-size", str(workers),
             "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
     env = dict(_env(), OMP_NUM_THREADS="1")  # several processes on a 2-core CI machine
-    procs = [subprocess.Popen(cmd + args + ["--distributed-rank", str(rank)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [fork_cli.Process(cmd + args + ["--distributed-rank", str(rank)], env=env)
              for rank in reversed(range(workers))]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p in procs:
+        p.wait(timeout=600)
+    logs = [p.stdout + p.stderr for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-5000:]
     return logs[-1]

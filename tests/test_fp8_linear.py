@@ -593,16 +593,14 @@ def test_a_few_steps_reduce_the_loss(dictionary):
 
 
 @pytest.mark.slow
-def test_fp8_checkpoint_converts_to_fairseq(tmp_path):
+def test_fp8_checkpoint_converts_to_fairseq(data_bin, tmp_path):
     """fairseq-train --ls-fp8 (CPU: the reference path) writes a checkpoint that records the
     flag, generates with the plugin (no fp8 in evaluation), and converts to a fairseq checkpoint
     that plain fairseq loads as its transformer (no fp8 there)."""
     import sys
 
     import test_convert_checkpoint as cc
-    from test_end_to_end import make_tiny_data
 
-    data_bin = make_tiny_data(tmp_path)
     log = cc.train(data_bin, tmp_path / "ls", ls=True, max_update=3, more=["--ls-fp8"])
     assert len(cc.logged(log)) == 3
     ls_ckpt, fs_ckpt = tmp_path / "ls" / "checkpoint_last.pt", tmp_path / "fs.pt"

@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -226,29 +227,37 @@ def test_recipes_end_to_end(prepared, tmp_path, capsys):
     out, _ = prepared
     data = out / "data-bin"
 
-    runs = {}
+    runs = {name: tmp_path / "runs" / name for name in ("baseline", "ls")}
     # the ls_ side runs with no console script on PATH: the recipes' fallback to the modules
     environs = {"baseline": env(), "ls": modules_only_env()}
-    for name in ("baseline", "ls"):
-        save = tmp_path / "runs" / name
+
+    def train(name):  # the two sides run at the same time (one core each; nothing compares speed)
+        save = runs[name]
         sh("train.sh", name, "--data", data, "--save-dir", save, "--gpus", "0", "--max-tokens", "1500",
            "--max-update", "24", *TINY, environ=environs[name])
-        runs[name] = save
         assert (save / "train.log").is_file() and (save / "train.fairseq.log").is_file()
         assert len([f for f in os.listdir(save) if f.startswith("checkpoint") and f[10:-3].isdigit()]) >= 2
-    assert "--user-dir" in (runs["ls"] / "command.txt").read_text()
-    assert "-m fairseq_cli.train" in (runs["ls"] / "command.txt").read_text()
-    assert (runs["baseline"] / "command.txt").read_text().split("\n")[1].startswith("fairseq-train ")
-    assert "ls_transformer_wmt_en_de_big_t2t" in (runs["ls"] / "train.log").read_text()
+        if name == "ls":
+            assert "--user-dir" in (save / "command.txt").read_text()
+            assert "-m fairseq_cli.train" in (save / "command.txt").read_text()
+            assert "ls_transformer_wmt_en_de_big_t2t" in (save / "train.log").read_text()
+            return
+        assert (save / "command.txt").read_text().split("\n")[1].startswith("fairseq-train ")
+        # a restart: the same command with a higher --max-update resumes from checkpoint_last.pt
+        # and appends to train.log
+        sh("train.sh", "baseline", "--data", data, "--save-dir", save, "--gpus", "0", "--max-tokens", "1500",
+           "--max-update", "32", *TINY)
 
-    # a restart: the same command with a higher --max-update resumes from checkpoint_last.pt and
-    # appends to train.log
-    sh("train.sh", "baseline", "--data", data, "--save-dir", runs["baseline"], "--gpus", "0", "--max-tokens", "1500",
-       "--max-update", "32", *TINY)
+    def evaluate(name):
+        return sh("evaluate.sh", "--data", data, "--save-dir", runs[name], "--last", "2", "--cpu",
+                  "--max-len-b", "8", environ=environs[name])
 
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(train, name) for name in runs]:
+            done.result()
+        evaluated = dict(zip(runs, pool.map(evaluate, runs)))
     for name, save in runs.items():
-        proc = sh("evaluate.sh", "--data", data, "--save-dir", save, "--last", "2", "--cpu", "--max-len-b", "8",
-                  environ=environs[name])
+        proc = evaluated[name]
         assert "sacreBLEU (detok):" in proc.stdout
         ev = save / "eval"
         assert "averaging checkpoint" in proc.stderr

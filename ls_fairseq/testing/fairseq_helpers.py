@@ -176,9 +176,13 @@ def fp16_trainer_run(opt, params, steps, seed, overflow_at=(), update_freq=1, cl
     return overflows, norms
 
 
-def _worker_entry(rank, world, init_file, backend, worker, args, results):
+def _worker_entry(rank, world, init_file, backend, worker, args, results, environ):
+    import os
+
     import torch.distributed as dist
 
+    os.environ.clear()  # a forkserver child starts with the server's environment: the caller's
+    os.environ.update(environ)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
@@ -192,10 +196,21 @@ def _worker_entry(rank, world, init_file, backend, worker, args, results):
 def run_workers(tmp_path, worker, *args, world=2, backend="gloo"):
     """``worker(rank, *args)`` in ``world`` processes joined by a default process group of
     ``backend`` (nccl: one GPU per rank); the dicts they return, by rank. ``worker`` must be a
-    module-level function (it is pickled)."""
+    module-level function (it is pickled). Each process gets this process's environment.
+
+    gloo workers start from multiprocessing's forkserver (a fork of a server process that never
+    touches CUDA), nccl workers as fresh interpreters (spawn): where the server preloads torch
+    (tests/conftest.py), a worker starts in a fraction of a second instead of importing torch
+    again. The result dict's manager is a fresh interpreter too: forked from this process, which
+    may hold threads, it was seen to abort while collecting garbage."""
+    import os
+
     import torch.multiprocessing as mp
 
-    results = mp.Manager().dict()
-    mp.spawn(_worker_entry,
-             args=(world, str(tmp_path / "rdzv"), backend, worker, args, results), nprocs=world)
-    return [results[rank] for rank in range(world)]
+    with mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _worker_entry, args=(world, str(tmp_path / "rdzv"), backend, worker, args, results,
+                                 dict(os.environ)),
+            nprocs=world, start_method="spawn" if backend == "nccl" else "forkserver")
+        return [results[rank] for rank in range(world)]

@@ -347,7 +347,7 @@ def test_least_recently_used_graphs_dropped(dictionary):
     ["--ls-fused-fp16-copy", "--ls-no-deferred-overflow-check"],
     ["--ls-shape-buckets", "0", "--ls-no-fused-fp16-copy"],
 ], ids=["fp16", "fp16_fused_copy", "no_shape_buckets"])
-def test_fairseq_train_same_losses(tmp_path, more):
+def test_fairseq_train_same_losses(data_bin, tmp_path, more):
     """fairseq-train (--fp16, dropout 0, 9 epochs of a tiny corpus, so batch shapes repeat):
     --ls-cuda-graphs logs the same losses as the eager run, --ls-no-cuda-graphs (fairseq rounds
     them to 3 decimals; tolerance 0.01 absolute for fp16 GEMM reordering on the capture stream
@@ -355,9 +355,9 @@ def test_fairseq_train_same_losses(tmp_path, more):
     is named in each case: fairseq's FP16Optimizer around ls_adam (--ls-no-fused-fp16-copy), or
     the fused copy with the overflow check read back every update (the graphs with all three
     defaults against none: test_fast_defaults_cuda.py)."""
-    from test_end_to_end import losses, make_tiny_data, train
+    from test_end_to_end import losses, train
 
-    data = make_tiny_data(tmp_path)
+    data = data_bin  # tests/conftest.py: one tiny corpus per test run
     common = ["--share-all-embeddings", "--dropout", "0", "--fp16", "--max-epoch", "9",
               "--no-save"] + more
     eager = train(data, tmp_path / "eager", "ls_transformer", common + ["--ls-no-cuda-graphs"],

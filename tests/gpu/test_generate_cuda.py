@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from test_end_to_end import USER_DIR, data_bin, fairseq_cli, run, train  # noqa: E402,F401
+from test_end_to_end import USER_DIR, fairseq_cli, run, train  # data_bin: tests/conftest.py
 
 pytestmark = pytest.mark.gpu
 
