@@ -226,7 +226,7 @@ def main():
         extras_require={
             # ls-fairseq-compare's table needs only the standard library; its plots need matplotlib
             "compare": ["matplotlib"],
-            "test": ["pytest", "pandas", "matplotlib", "sacrebleu", "subword-nmt", "sacremoses"],
+            "test": ["pytest", "pytest-xdist", "pandas", "matplotlib", "sacrebleu", "subword-nmt", "sacremoses"],
         },
         entry_points={
             "console_scripts": [

@@ -113,6 +113,21 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(line)
 
 
+def pytest_sessionfinish(session):
+    # under pytest-xdist (scripts/run_tests.sh) the workers collect and select; each hands its
+    # summary lines to the controller, which prints them once
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["ls_summary"] = session.config.stash.get(_SUMMARY, [])
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's controller
+def pytest_testnodedown(node, error):
+    lines = getattr(node, "workeroutput", {}).get("ls_summary")
+    if lines:
+        node.config.stash[_SUMMARY] = lines
+
+
 @pytest.fixture(scope="session")
 def data_bin(tmp_path_factory):
     from test_end_to_end import make_tiny_data
