@@ -30,11 +30,6 @@ def register() -> None:
     (idempotent: Python imports each module once, and the patches check themselves). On a
     fairseq the patches were not written for, importing them ends the process with one line."""
     from . import fairseq_patches  # first: its fairseq version check
-
-    from . import checkpoint_compat
-
-    checkpoint_compat.allow_fairseq_checkpoints()
-
     from . import criterions, models, optim  # noqa: F401  (registration side effects)
 
     fairseq_patches.install()

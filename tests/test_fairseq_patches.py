@@ -45,8 +45,13 @@ def _fairseq_targets():
     from fairseq.data.iterators import EpochBatchIterator
     from fairseq.tasks.fairseq_task import FairseqTask
 
+    from fairseq import checkpoint_utils
+
     return PATCHED + [(FP16Optimizer, "build_optimizer"), (FairseqTask, "build_generator"),
-                      (EpochBatchIterator, "ordered_batches")]
+                      (EpochBatchIterator, "ordered_batches"),
+                      (checkpoint_utils, "load_checkpoint_to_cpu"),
+                      (checkpoint_utils, "load_ema_from_checkpoint"),
+                      (distributed_utils, "_broadcast_object_slow")]
 
 
 def test_the_table_lists_every_patch_once_and_every_target():
@@ -623,3 +628,45 @@ def test_arch_typo_gets_the_nearest_names(capsys):
         options.parse_args_and_arch(options.get_training_parser(),
                                     ["/nonexistent", "--arch", "ls_transformer", "--lr", "x"])
     assert "ls_fairseq:" not in capsys.readouterr().err
+
+
+# ---- patch 12: fairseq's checkpoint loads under torch's safe loader ----------------------------
+
+def test_checkpoint_types_are_allowed_during_fairseqs_loads_only(tmp_path):
+    """fairseq's load_checkpoint_to_cpu reads a checkpoint holding fairseq's non-tensor types
+    (argparse.Namespace, omegaconf) under torch's safe loader; the process's allow-list is the
+    same before and after, and a plain ``torch.load(weights_only=True)`` still refuses them. A
+    type the process allowed itself stays allowed."""
+    import argparse
+
+    from fairseq import checkpoint_utils
+    from omegaconf import OmegaConf
+
+    fairseq_patches.install()
+    state = {"model": {"w": torch.arange(3.0)}, "args": None,
+             "cfg": OmegaConf.create({"model": {"_name": "ls_transformer"}}),
+             "optimizer_history": [{"criterion_name": "LSLabelSmoothedCrossEntropyCriterion",
+                                    "optimizer_name": "FairseqLSAdam", "num_updates": 7,
+                                    "lr_scheduler_state": {"best": None}}],
+             "extra_state": {"epoch": 2, "train_iterator": {"epoch": 2},
+                             "previous_args": argparse.Namespace(arch="ls_transformer")}}
+    path = tmp_path / "checkpoint.pt"
+    torch.save(state, path)
+    before = set(torch.serialization.get_safe_globals())
+    assert argparse.Namespace not in before  # the plugin changed nothing for the process
+    with pytest.raises(Exception, match="Unsupported global"):
+        torch.load(path, weights_only=True)
+    loaded = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert torch.equal(loaded["model"]["w"], torch.arange(3.0))
+    assert loaded["cfg"].model._name == "ls_transformer"
+    assert set(torch.serialization.get_safe_globals()) == before
+    # fairseq's own function (the patch uninstalled) meets torch's refusal
+    with pytest.raises(Exception, match="Unsupported global"):
+        _patching.original(checkpoint_utils, "load_checkpoint_to_cpu")(str(path))
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    try:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+        assert argparse.Namespace in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(list(before))

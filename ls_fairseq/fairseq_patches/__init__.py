@@ -21,6 +21,10 @@ patch  module                   fairseq attribute(s) it wraps
 9      p09_trainer_init         ``Trainer.__init__`` (flags checked before training)
 10     p10_call_main            ``distributed_utils.call_main`` (a refusal in one line)
 11     p11_arch_hint            ``options.add_model_args`` (architecture typos)
+12     p12_checkpoint_loading   ``checkpoint_utils.load_checkpoint_to_cpu``,
+                                ``.load_ema_from_checkpoint``,
+                                ``distributed_utils._broadcast_object_slow`` (torch's safe
+                                loader allows fairseq's checkpoint types, for those loads only)
 =====  =======================  ============================================================
 
 Written against fairseq 0.12.2 and fairseq-fixed 0.12.3.x (the same code); on another version
@@ -52,12 +56,13 @@ from . import (  # noqa: E402
     p09_trainer_init,
     p10_call_main,
     p11_arch_hint,
+    p12_checkpoint_loading,
 )
 
 #: every patch, in the order :func:`install` applies them (:func:`uninstall`: the reverse)
 PATCHES = (p01_fp16_optimizer, p02_train_step, p03_distributed_stats, p04_load_checkpoint,
            p05_build_generator, p06_grouped_shuffling, p07_fixed_batches, p08_clip_grad_norm,
-           p09_trainer_init, p10_call_main, p11_arch_hint)
+           p09_trainer_init, p10_call_main, p11_arch_hint, p12_checkpoint_loading)
 
 # helpers that tests, bench/ and other modules call, by the names they had in one module
 from ..data.batch_order import (  # noqa: E402,F401
