@@ -116,6 +116,8 @@ def test_supported_fairseq_versions(version, ok):
 
 
 def test_an_unsupported_fairseq_is_refused_in_one_line(monkeypatch):
+    import os
+
     import fairseq
 
     want = ("fairseq 0.10.2 is installed, and the plugin's patches to fairseq are written for "
@@ -129,6 +131,10 @@ def test_an_unsupported_fairseq_is_refused_in_one_line(monkeypatch):
         with pytest.raises(fairseq_patches.UnsupportedFairseq) as info:
             fairseq_patches.install()
         assert str(info.value) == want
+        docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                            "TROUBLESHOOTING.md")
+        with open(docs, encoding="utf-8") as f:
+            assert f"`ls_fairseq: {want}`" in f.read()  # the message the docs explain
         assert not any(fairseq_patches.installed().values())  # nothing half-installed
         monkeypatch.setenv("LS_FAIRSEQ_ANY_FAIRSEQ", "1")
         fairseq_patches.install()
