@@ -1,9 +1,10 @@
 """Every change ls_fairseq makes to fairseq's classes (ls_fairseq/fairseq_patches/), in one
 file: the table installs each patch once, uninstalls it back to fairseq's own attributes and
-installs it again, refuses a fairseq it was not written for in one line; each patch reaches
-fairseq's own method for runs it does not concern, and does what its docstring says. Patch 4 (resuming an unconverted checkpoint) is also run end to
-end in tests/test_bad_input.py, patch 3 with two gloo workers in tests/test_distributed_stats.py,
-patches 6 and 7 with gloo workers in tests/test_end_to_end.py."""
+installs it again, and refuses a fairseq it was not written for in one line; each patch reaches
+fairseq's own method for runs it does not concern, and does what its docstring says. Patch 4
+(resuming an unconverted checkpoint) is also run end to end in tests/test_bad_input.py, patch 3
+with two gloo workers in tests/test_distributed_stats.py, patches 6 and 7 (and patch 12's
+broadcast of a checkpoint) with gloo workers in tests/test_end_to_end.py."""
 from types import SimpleNamespace
 
 import numpy as np
