@@ -60,7 +60,10 @@ def fairseq_checkpoint_globals():
     """Inside the block, torch's safe loader also allows the types of fairseq's checkpoints (those
     not allowed already: they are taken off again at its end, the others stay)."""
     scoped = getattr(torch.serialization, "safe_globals", None)
-    if scoped is None:  # torch < 2.5: torch.load is not safe by default (2.6), nothing to allow
+    if scoped is None:  # torch < 2.5 (not safe by default before 2.6): 2.4's process-wide form
+        add = getattr(torch.serialization, "add_safe_globals", None)
+        if add is not None:
+            add(fairseq_checkpoint_types())
         yield
         return
     allowed = set(torch.serialization.get_safe_globals())
