@@ -27,13 +27,10 @@ _TOOLS = ("ls-fairseq-convert", "ls-fairseq-compare", "ls-fairseq-quickstart")
 
 def register() -> None:
     """Register the ls_ components in fairseq's registries and install ``fairseq_patches``
-    (idempotent: Python imports each module once, and the patches check themselves)."""
-    from . import checkpoint_compat
-
-    checkpoint_compat.allow_fairseq_checkpoints()
-
+    (idempotent: Python imports each module once, and the patches check themselves). On a
+    fairseq the patches were not written for, importing them ends the process with one line."""
+    from . import fairseq_patches  # first: its fairseq version check
     from . import criterions, models, optim  # noqa: F401  (registration side effects)
-    from . import fairseq_patches
 
     fairseq_patches.install()
 

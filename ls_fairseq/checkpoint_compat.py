@@ -4,17 +4,20 @@ what to do when a checkpoint of the other side's components is resumed.
 fairseq 0.12 calls ``torch.load`` without ``weights_only``, and since torch 2.6 that defaults to
 the safe unpickler, which refuses the non-tensor objects a fairseq checkpoint holds (its
 ``argparse.Namespace`` and omegaconf config, counters). Rather than switching the safe loader off
-for the whole process (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``), this allow-lists exactly those
-types with torch's documented ``torch.serialization.add_safe_globals``; tensors and every other
-type stay under the safe loader's rules.
+for the whole process (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``), :func:`fairseq_checkpoint_globals`
+allow-lists exactly those types, with torch's documented ``torch.serialization.safe_globals``,
+for the loads that read fairseq checkpoints only (``fairseq_patches``, patch 12, and
+``ls-fairseq-convert``); tensors and every other type stay under the safe loader's rules, and
+outside those loads torch's allow-list is the process's own.
 
 fairseq's trainer refuses to resume a checkpoint whose recorded criterion or optimizer class differs
 from the run's, advising ``--reset-optimizer`` (which drops the Adam state). For a fairseq
 component against its ls_ twin, :func:`resume_advice` names ``ls-fairseq-convert`` instead
-(``ls_fairseq.fairseq_patches``, section 4, raises it).
+(``ls_fairseq.fairseq_patches``, patch 4, raises it).
 """
 import argparse
 import collections
+import contextlib
 import os
 import typing
 
@@ -52,10 +55,20 @@ def fairseq_checkpoint_types():
     return types
 
 
-def allow_fairseq_checkpoints():
-    add = getattr(torch.serialization, "add_safe_globals", None)
-    if add is not None:  # torch < 2.4 has no safe loader by default: nothing to do
-        add(fairseq_checkpoint_types())
+@contextlib.contextmanager
+def fairseq_checkpoint_globals():
+    """Inside the block, torch's safe loader also allows the types of fairseq's checkpoints (those
+    not allowed already: they are taken off again at its end, the others stay)."""
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is None:  # torch < 2.5 (not safe by default before 2.6): 2.4's process-wide form
+        add = getattr(torch.serialization, "add_safe_globals", None)
+        if add is not None:
+            add(fairseq_checkpoint_types())
+        yield
+        return
+    allowed = set(torch.serialization.get_safe_globals())
+    with scoped([t for t in fairseq_checkpoint_types() if t not in allowed]):
+        yield
 
 
 # ---- resuming a checkpoint saved with the other side's components ---------------------------

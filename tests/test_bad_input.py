@@ -95,7 +95,8 @@ def test_bad_env_value_is_one_line_naming_the_values(name):
 
 def test_unknown_ls_fairseq_variable_is_refused():
     with pytest.raises(ValueError, match=r"^LS_FAIRSEQ_KERNEL is not a variable ls_fairseq reads "
-                                         r"\(it reads LS_FAIRSEQ_ATTENTION, .*\): fix its name"):
+                                         r"\(it reads LS_FAIRSEQ_ANY_FAIRSEQ, "
+                                         r"LS_FAIRSEQ_ATTENTION, .*\): fix its name"):
         _extension.check_environment({"LS_FAIRSEQ_KERNEL": "off"})
     _extension.check_environment({"PATH": "/bin", "LS_FAIRSEQ_KERNELS": "off"})
 

@@ -7,7 +7,7 @@
 * a fairseq ``transformer``/``adam`` checkpoint converted ``--to ls`` resumes as ls_ with the
   Adam state: the losses are fairseq's own continuation, digit for digit;
 * under ``--fp16``, the checkpoint's ``FP16Optimizer`` and ls_adam's ``LSFusedFP16Optimizer``
-  (the fused fp16 copy, on by default) resume into each other (``fairseq_patches`` section 4).
+  (the fused fp16 copy, on by default) resume into each other (``fairseq_patches``, patch 4).
 
 Bad inputs (wrong files, missing folders, unconverted resumes) are in tests/test_bad_input.py.
 """

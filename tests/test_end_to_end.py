@@ -372,11 +372,12 @@ def test_several_workers_fix_batches_to_gpus_by_default(data_bin, tmp_path):
 
 
 def test_fixed_batches_resume_mid_epoch_on_the_same_batches(data_bin, tmp_path):
-    """Batches fixed to workers across a resume (patch 7 marks the iterator before fairseq
-    restores its position in the epoch): two gloo workers stopped in the middle of epoch 2 and
-    resumed train on the same batches, update by update, as two workers that did not stop (each
-    update's wpb: its batches' token counts, whatever the weights); their checkpoint also
-    resumes on one worker with --update-freq 2."""
+    """Batches fixed to workers across a resume (patch 7 gives the iterator its order before
+    fairseq restores its position in the epoch): two gloo workers stopped in the middle of epoch
+    2 and resumed (rank 0 broadcasts the checkpoint it read, patch 12) train on the same batches,
+    update by update, as two workers that did not stop (each update's wpb: its batches' token
+    counts, whatever the weights); their checkpoint also resumes on one worker with
+    --update-freq 2."""
     import shutil
 
     extra = ["--share-all-embeddings", "--dropout", "0", "--cpu", "--ddp-backend", "legacy_ddp"]

@@ -1,8 +1,10 @@
-"""Every change ls_fairseq makes to fairseq's classes (ls_fairseq/fairseq_patches.py), in one
-file: each patch is installed once, reaches fairseq's own method for runs it does not concern,
-and does what its docstring says. Patch 4 (resuming an unconverted checkpoint) is also run end to
-end in tests/test_bad_input.py, patch 3 with two gloo workers in tests/test_distributed_stats.py,
-patches 6 and 7 with gloo workers in tests/test_end_to_end.py."""
+"""Every change ls_fairseq makes to fairseq's classes (ls_fairseq/fairseq_patches/), in one
+file: the table installs each patch once, uninstalls it back to fairseq's own attributes and
+installs it again, and refuses a fairseq it was not written for in one line; each patch reaches
+fairseq's own method for runs it does not concern, and does what its docstring says. Patch 4
+(resuming an unconverted checkpoint) is also run end to end in tests/test_bad_input.py, patch 3
+with two gloo workers in tests/test_distributed_stats.py, patches 6 and 7 (and patch 12's
+broadcast of a checkpoint) with gloo workers in tests/test_end_to_end.py."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +19,7 @@ from fairseq.distributed import utils as distributed_utils
 
 from fairseq_helpers import IndexDataset, fp16_optimizer_cfg
 from ls_fairseq import fairseq_patches, switches
+from ls_fairseq.fairseq_patches import _fairseq_version, _patching, p09_trainer_init
 from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
 PATCHED = [(Trainer, "train_step"), (Trainer, "_aggregate_logging_outputs"),
@@ -35,6 +38,137 @@ def test_installed_once_and_fairseqs_methods_stay_reachable():
         if owner is Trainer:
             module = "fairseq.trainer"
         assert getattr(owner, name).__wrapped__.__module__ == module, name
+
+
+# ---- the table: install, uninstall, reinstall; the fairseq versions it is written for ----------
+
+def _fairseq_targets():
+    from fairseq.data.iterators import EpochBatchIterator
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    from fairseq import checkpoint_utils
+
+    return PATCHED + [(FP16Optimizer, "build_optimizer"), (FairseqTask, "build_generator"),
+                      (EpochBatchIterator, "ordered_batches"),
+                      (checkpoint_utils, "load_checkpoint_to_cpu"),
+                      (checkpoint_utils, "load_ema_from_checkpoint"),
+                      (distributed_utils, "_broadcast_object_slow")]
+
+
+def test_the_table_lists_every_patch_once_and_every_target():
+    """PATCHES holds each p<NN>_*.py module once, numbered 1..N in order, and their targets are
+    every fairseq attribute the plugin replaces, each once."""
+    import os
+
+    folder = os.path.dirname(fairseq_patches.__file__)
+    files = sorted(f[:-3] for f in os.listdir(folder) if f[0] == "p" and f.endswith(".py"))
+    names = [patch.__name__.rsplit(".", 1)[1] for patch in fairseq_patches.PATCHES]
+    assert names == files
+    assert [patch.NUMBER for patch in fairseq_patches.PATCHES] == \
+        list(range(1, len(files) + 1))
+    assert all(name.startswith(f"p{n:02d}_") for n, name in zip(range(1, 99), names))
+    found = [(owner, name) for _, owner, name, _ in fairseq_patches.targets()]
+    assert len(found) == len(set(found))
+    assert set(found) == set(_fairseq_targets())
+
+
+def test_uninstall_restores_fairseqs_own_attributes_and_install_applies_them_again():
+    """uninstall() puts back the very objects fairseq defines (``is``), install() wraps them
+    again, around the same originals; installing twice changes nothing."""
+    targets = _fairseq_targets()
+    fairseq_patches.install()
+    try:
+        fairseq_patches.uninstall()
+        theirs = {(o, n): vars(o)[n] for o, n in targets}
+        assert not any(fairseq_patches.installed().values())
+        for (owner, name), attr in theirs.items():
+            function = getattr(attr, "__func__", attr)
+            assert function.__module__.startswith("fairseq."), (owner, name)
+            assert not hasattr(function, _patching.ORIGINAL)
+        fairseq_patches.uninstall()  # nothing installed: a no-op
+        assert {(o, n): vars(o)[n] for o, n in targets} == theirs
+        for attempt in range(2):
+            fairseq_patches.install()
+            ours = {(o, n): vars(o)[n] for o, n in targets}
+            assert all(fairseq_patches.installed().values())
+            for key, attr in ours.items():
+                assert attr is not theirs[key], key
+                assert _patching.original(*key) is theirs[key], key
+            fairseq_patches.install()  # twice: a no-op
+            assert all(vars(o)[n] is ours[o, n] for o, n in targets)
+            fairseq_patches.uninstall()
+            for (owner, name), attr in theirs.items():
+                assert vars(owner)[name] is attr, (owner, name, attr)
+    finally:
+        fairseq_patches.install()  # the rest of the session runs with the plugin loaded
+    # installed again, fairseq's own method is what the patches run for other runs
+    assert Trainer.train_step.__wrapped__ is theirs[Trainer, "train_step"]
+    assert FP16Optimizer.build_optimizer.__func__.__wrapped__ is \
+        theirs[FP16Optimizer, "build_optimizer"].__func__
+
+
+@pytest.mark.parametrize("version,ok", [
+    ("0.12.2", True), ("0.12.3", True), ("0.12.3.1", True), ("0.12.3.2", True),
+    ("0.12.2+4f1a2b3", True), ("0.10.2", False), ("0.12.1", False), ("0.13.0", False),
+    ("0.12.30", False), ("1.0.0a0", False),
+])
+def test_supported_fairseq_versions(version, ok):
+    assert _fairseq_version.supported(version) is ok
+
+
+def test_an_unsupported_fairseq_is_refused_in_one_line(monkeypatch):
+    import os
+
+    import fairseq
+
+    want = ("fairseq 0.10.2 is installed, and the plugin's patches to fairseq are written for "
+            "fairseq 0.12.2 and fairseq-fixed 0.12.3.x: install one of them (pip install "
+            "--no-build-isolation fairseq-fixed==0.12.3.1), or set LS_FAIRSEQ_ANY_FAIRSEQ=1 to "
+            "try fairseq 0.10.2 anyway")
+    monkeypatch.delenv("LS_FAIRSEQ_ANY_FAIRSEQ", raising=False)
+    monkeypatch.setattr(fairseq, "__version__", "0.10.2")
+    fairseq_patches.uninstall()
+    try:
+        with pytest.raises(fairseq_patches.UnsupportedFairseq) as info:
+            fairseq_patches.install()
+        assert str(info.value) == want
+        docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                            "TROUBLESHOOTING.md")
+        with open(docs, encoding="utf-8") as f:
+            assert f"`ls_fairseq: {want}`" in f.read()  # the message the docs explain
+        assert not any(fairseq_patches.installed().values())  # nothing half-installed
+        monkeypatch.setenv("LS_FAIRSEQ_ANY_FAIRSEQ", "1")
+        fairseq_patches.install()
+        assert all(fairseq_patches.installed().values())
+    finally:
+        monkeypatch.undo()
+        fairseq_patches.install()
+
+
+def test_loading_the_plugin_on_an_unsupported_fairseq_prints_one_line(tmp_path):
+    """What fairseq-train's ``--user-dir`` import does, in a fresh process: one line on stderr,
+    exit status 2, no traceback; LS_FAIRSEQ_ANY_FAIRSEQ=1 loads the plugin with a warning."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import fairseq; fairseq.__version__ = '0.10.2'; import ls_fairseq; print('loaded')"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LS_FAIRSEQ_")}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "tensorboardX" not in line]
+    assert lines == ["ls_fairseq: fairseq 0.10.2 is installed, and the plugin's patches to "
+                     "fairseq are written for fairseq 0.12.2 and fairseq-fixed 0.12.3.x: "
+                     "install one of them (pip install --no-build-isolation "
+                     "fairseq-fixed==0.12.3.1), or set LS_FAIRSEQ_ANY_FAIRSEQ=1 to try "
+                     "fairseq 0.10.2 anyway"]
+    assert "loaded" not in proc.stdout
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, "LS_FAIRSEQ_ANY_FAIRSEQ": "1"},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded", proc.stderr
 
 
 @pytest.mark.parametrize("optimizer,extra,want", [
@@ -175,7 +309,7 @@ def test_train_iterator_fixes_batches_of_ls_runs_on_several_workers(
         for epoch in (1, 2, 3):
             itr = wrapped(trainer, epoch, load_dataset=False)
             assert itr is made[-1]
-            assert getattr(itr, "ls_fix_batches_to_gpus", False) == applies
+            assert (fairseq_patches.fixed_order(itr) is not None) == applies
             assert itr.grouped_shuffling == grouped  # never set by the patch
     lines = [r.message for r in caplog.records if "batches fixed to GPUs" in r.message]
     assert len(lines) == (1 if applies else 0), lines
@@ -221,7 +355,7 @@ def test_fixed_batches_order_as_fairseqs_fix_batches_to_gpus(n_batches, shards):
     for rank in range(shards):
         marked = iterators.EpochBatchIterator(IndexDataset(), lambda x: x, batches, seed=5,
                                               num_shards=shards, shard_id=rank)
-        marked.ls_fix_batches_to_gpus = True
+        fairseq_patches.fix_batches(marked)
         fairseqs = iterators.EpochBatchIterator(Prefetching(), lambda x: x, batches, seed=5,
                                                 num_shards=shards, shard_id=rank)
         for epoch in (1, 2, 3):
@@ -295,7 +429,7 @@ def test_cost_matching_pairs_the_kth_costliest_of_each_window(shards, window):
     def epoch(w, rank, e):
         itr = iterators.EpochBatchIterator(dataset, lambda x: x, batches, seed=3,
                                            num_shards=shards, shard_id=rank)
-        itr.ls_fix_batches_to_gpus, itr.ls_cost_matching_window = True, w
+        fairseq_patches.fix_batches(itr, w)
         return itr.ordered_batches(e, False, True)
 
     for e in (1, 2):
@@ -333,9 +467,8 @@ def test_train_iterator_passes_the_cost_matching_window(workers, window, fixed_l
     wrapped = fairseq_patches.fixed_batches_train_iterator(fairseqs)
     with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
         for epoch in (1, 2):
-            itr = wrapped(trainer, epoch, load_dataset=False)
-            assert getattr(itr, "ls_cost_matching_window", None) == (
-                window if workers > 1 else None)
+            order = fairseq_patches.fixed_order(wrapped(trainer, epoch, load_dataset=False))
+            assert (order and order.window) == (window if workers > 1 else None)
     said = [r.message for r in caplog.records]
     assert sum("matched by cost in runs of 16 updates" in m for m in said) == fixed_line
 
@@ -382,8 +515,8 @@ def test_prefetching_datasets_keep_fairseqs_order(mode, monkeypatch, caplog):
         return
     with caplog.at_level("INFO", logger="ls_fairseq.fairseq_patches"):
         for epoch in (1, 2):
-            assert not getattr(wrapped(trainer, epoch, load_dataset=False),
-                               "ls_fix_batches_to_gpus", False)
+            assert fairseq_patches.fixed_order(wrapped(trainer, epoch, load_dataset=False)) \
+                is None
     assert trainer._criterion.ls_fix_batches_to_gpus == switches.OFF  # for the run
     said = [r.message for r in caplog.records if "is off for this run" in r.message]
     assert said == ["ls-fix-batches-to-gpus is off for this run: the dataset prefetches, and "
@@ -427,7 +560,7 @@ def test_trainer_init_runs_the_check(monkeypatch):
     """Patch 9 calls check_run with the built trainer, after fairseq's own __init__ (the checks
     themselves: tests/test_fast_defaults.py; through fairseq-train: tests/test_bad_input.py)."""
     seen = []
-    monkeypatch.setattr(fairseq_patches, "check_run", lambda trainer: seen.append(trainer.cfg))
+    monkeypatch.setattr(p09_trainer_init, "check_run", lambda trainer: seen.append(trainer.cfg))
 
     def fairseqs(self, cfg, task, model, criterion, quantizer=None):
         self.cfg = cfg
@@ -502,3 +635,45 @@ def test_arch_typo_gets_the_nearest_names(capsys):
         options.parse_args_and_arch(options.get_training_parser(),
                                     ["/nonexistent", "--arch", "ls_transformer", "--lr", "x"])
     assert "ls_fairseq:" not in capsys.readouterr().err
+
+
+# ---- patch 12: fairseq's checkpoint loads under torch's safe loader ----------------------------
+
+def test_checkpoint_types_are_allowed_during_fairseqs_loads_only(tmp_path):
+    """fairseq's load_checkpoint_to_cpu reads a checkpoint holding fairseq's non-tensor types
+    (argparse.Namespace, omegaconf) under torch's safe loader; the process's allow-list is the
+    same before and after, and a plain ``torch.load(weights_only=True)`` still refuses them. A
+    type the process allowed itself stays allowed."""
+    import argparse
+
+    from fairseq import checkpoint_utils
+    from omegaconf import OmegaConf
+
+    fairseq_patches.install()
+    state = {"model": {"w": torch.arange(3.0)}, "args": None,
+             "cfg": OmegaConf.create({"model": {"_name": "ls_transformer"}}),
+             "optimizer_history": [{"criterion_name": "LSLabelSmoothedCrossEntropyCriterion",
+                                    "optimizer_name": "FairseqLSAdam", "num_updates": 7,
+                                    "lr_scheduler_state": {"best": None}}],
+             "extra_state": {"epoch": 2, "train_iterator": {"epoch": 2},
+                             "previous_args": argparse.Namespace(arch="ls_transformer")}}
+    path = tmp_path / "checkpoint.pt"
+    torch.save(state, path)
+    before = set(torch.serialization.get_safe_globals())
+    assert argparse.Namespace not in before  # the plugin changed nothing for the process
+    with pytest.raises(Exception, match="Unsupported global"):
+        torch.load(path, weights_only=True)
+    loaded = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert torch.equal(loaded["model"]["w"], torch.arange(3.0))
+    assert loaded["cfg"].model._name == "ls_transformer"
+    assert set(torch.serialization.get_safe_globals()) == before
+    # fairseq's own function (the patch uninstalled) meets torch's refusal
+    with pytest.raises(Exception, match="Unsupported global"):
+        _patching.original(checkpoint_utils, "load_checkpoint_to_cpu")(str(path))
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    try:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+        assert argparse.Namespace in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(list(before))

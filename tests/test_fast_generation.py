@@ -587,7 +587,7 @@ class _MyGenerator(SequenceGenerator):
 
 def test_build_generator_class(models, dictionary, monkeypatch):
     fairseq_patches.install()
-    assert getattr(FairseqTask.build_generator, "_ls_fairseq_patch", False)
+    assert fairseq_patches.installed()[FairseqTask, "build_generator"]
     assert FairseqTask.build_generator.__wrapped__.__module__ == "fairseq.tasks.fairseq_task"
     assert TranslationTask.build_generator is FairseqTask.build_generator
     task = DummyTask(dictionary)

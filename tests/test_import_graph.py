@@ -16,7 +16,13 @@ Layers, lowest first (``ls_fairseq/ops/README.md`` for ops' own convention):
 * ``graphs`` (CUDA graph capture; the package may not exist) imports nothing from
   ``criterions``, ``optim`` or ``models``;
 * ``generation`` (decoding) sits above ``models``: nothing below imports it, and it imports
-  nothing from ``criterions``, ``optim`` or ``graphs``.
+  nothing from ``criterions``, ``optim`` or ``graphs``;
+* ``data`` (the order of an epoch's batches) sits beside ``graphs``' shape policy, whose
+  ``shape_buckets`` it uses: it imports nothing from ``modules``, ``models``, ``criterions``,
+  ``optim`` or ``generation``, and ``ops``, ``modules``, ``graphs`` and ``generation`` import
+  nothing from it;
+* ``fairseq_patches`` (every change to fairseq's classes) is the top: no layer imports it, and
+  only the package's ``__init__`` (which installs it) does.
 
 Run as a script (``python tests/test_import_graph.py``) it prints the cycles and upward arrows.
 """
@@ -29,12 +35,18 @@ PACKAGE = "ls_fairseq"
 
 #: layer -> the subpackages of ls_fairseq it must not import
 FORBIDDEN = {
-    "ops": ("modules", "models", "criterions", "optim", "graphs", "generation"),
-    "modules": ("models", "criterions", "optim", "generation"),
-    "models": ("generation",),
-    "graphs": ("criterions", "optim", "models", "generation"),
-    "generation": ("criterions", "optim", "graphs"),
+    "ops": ("modules", "models", "criterions", "optim", "graphs", "generation", "data",
+            "fairseq_patches"),
+    "modules": ("models", "criterions", "optim", "generation", "data", "fairseq_patches"),
+    "models": ("generation", "fairseq_patches"),
+    "criterions": ("fairseq_patches",),
+    "optim": ("fairseq_patches",),
+    "graphs": ("criterions", "optim", "models", "generation", "data", "fairseq_patches"),
+    "generation": ("criterions", "optim", "graphs", "data", "fairseq_patches"),
+    "data": ("modules", "models", "criterions", "optim", "generation", "fairseq_patches"),
 }
+#: the one module outside fairseq_patches that may import it: the package, which installs it
+PATCHES_IMPORTED_BY = (PACKAGE,)
 
 
 def module_files(root=ROOT, package=PACKAGE):
@@ -195,6 +207,17 @@ def test_no_upward_import():
     bad = upward_arrows(import_graph())
     assert not bad, "imports against the layering (see this file's doc):\n" + "\n".join(
         f"  {a} imports {b} (line {line})" for a, b, line in bad)
+
+
+def test_only_the_package_imports_the_fairseq_patches():
+    graph = import_graph()
+    patches = f"{PACKAGE}.fairseq_patches"
+    assert patches in graph and f"{patches}.p07_fixed_batches" in graph[patches]
+    assert f"{PACKAGE}.data.batch_order" in graph[f"{patches}.p07_fixed_batches"]
+    importers = sorted(m for m, targets in graph.items()
+                       if any(t == patches or t.startswith(patches + ".") for t in targets)
+                       and not m.startswith(patches))
+    assert importers == list(PATCHES_IMPORTED_BY), importers
 
 
 def test_bindings_never_import_their_public_module():

@@ -9,7 +9,7 @@ from fairseq.data import data_utils, iterators
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import (
     LSLabelSmoothedCrossEntropyCriterionConfig as CriterionConfig,
 )
-from ls_fairseq.fairseq_patches import batches_fixed_to_gpus
+from ls_fairseq.data.batch_order import batches_fixed_to_gpus
 from ls_fairseq.graphs.shape_buckets import ShapeBuckets, bucket, token_slots
 from ls_fairseq.testing.fairseq_helpers import IndexDataset
 from ls_fairseq.testing.learnable_corpus import wmt_like_lengths

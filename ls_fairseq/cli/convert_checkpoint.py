@@ -165,7 +165,7 @@ def load_checkpoint(path: str) -> dict:
     """The checkpoint dict, or ConvertError saying why ``path`` is not a fairseq checkpoint."""
     import torch
 
-    from ..checkpoint_compat import allow_fairseq_checkpoints
+    from ..checkpoint_compat import fairseq_checkpoint_globals
 
     try:
         with open(path, "rb") as f:
@@ -174,10 +174,9 @@ def load_checkpoint(path: str) -> dict:
         raise ConvertError(f"cannot read input {path}: {exc.strerror or exc}") from None
     if not magic.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or a legacy pickle
         raise ConvertError(f"not a fairseq checkpoint: {path} (not a file written by torch.save)")
-    allow_fairseq_checkpoints()
     try:
-        with warnings.catch_warnings():  # torch's unpickler warnings would bury the one line
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(), fairseq_checkpoint_globals():
+            warnings.simplefilter("ignore")  # torch's unpickler warnings would bury the one line
             state = torch.load(path, map_location="cpu")
     except OSError as exc:
         raise ConvertError(f"cannot read input {path}: {exc.strerror or exc}") from None

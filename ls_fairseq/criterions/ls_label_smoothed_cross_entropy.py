@@ -143,7 +143,7 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "length-ordered batches and shuffles them itself each epoch, fairseq's "
                   "--fix-batches-to-gpus order, so an update still pairs batches at random as "
                   "in fairseq's order while each GPU keeps meeting the batch shapes its CUDA "
-                  "graphs hold (ls_fairseq/fairseq_patches.py, patch 7); with this flag a run "
+                  "graphs hold (ls_fairseq/fairseq_patches, patch 7); with this flag a run "
                   "where they cannot apply is refused"},
     )
     ls_no_fix_batches_to_gpus: bool = field(
@@ -157,7 +157,7 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "every GPU's batches so that an update's batches have alike token slots "
                   "(the first GPU's order kept; the k-th costliest batch of each GPU meet), so "
                   "the GPUs wait less for the slowest; an update's batches then also tend to "
-                  "be alike in length (ls_fairseq/fairseq_patches.py, patch 7). 0 or 1: off, "
+                  "be alike in length (ls_fairseq/fairseq_patches, patch 7). 0 or 1: off, "
                   "an update pairs batches at random"},
     )
     ls_copy_engine_all_reduce: bool = field(
