@@ -142,7 +142,10 @@ def _train_cmd(data_bin, save_dir, ls=True, more=()):
         "--label-smoothing", "0.1", "--optimizer", "ls_adam" if ls else "adam", "--lr", "1e-3",
         "--max-tokens", "600", "--max-update", "2", "--save-dir", str(save_dir), "--cpu",
         "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "1",
-        "--distributed-world-size", "1", "--dropout", "0", *more]
+        "--distributed-world-size", "1", "--dropout", "0",
+        # no data-loader worker process: a run in this process (train_in_process) leaves its
+        # loader to the garbage collector, whose shutdown of a worker stalls a later test ~30 s
+        "--num-workers", "0", *more]
 
 
 def _files(folder):
