@@ -539,6 +539,7 @@ def prepare_corpus(a):
     os.makedirs(a.workdir, exist_ok=True)
     with open(os.path.join(a.workdir, ".prepare.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        dest = None  # the corpora written here: binarised beside their text, under --workdir
         if a.corpus == "synthetic":
             text_dir = os.path.join(a.workdir, f"synthetic_{a.train_sentences}")
             if not os.path.exists(os.path.join(text_dir, "test.de")):
@@ -551,10 +552,10 @@ def prepare_corpus(a):
             src, tgt = "en", "de"
         else:
             text_dir = a.corpus
-        # binarised under --workdir (an absolute path), never beside a given text folder: the
-        # device tool replaces a carried folder at each call, under runs still decoding from it
-        dest = (os.path.join(os.path.abspath(a.workdir), os.path.basename(text_dir) + "_bin")
-                if text_dir == a.corpus else os.path.join(text_dir, "bin"))
+            # binarised under --workdir (an absolute path), never beside a given text folder: the
+            # device tool replaces a carried folder at each call, under runs still decoding
+            dest = os.path.join(os.path.abspath(a.workdir), os.path.basename(text_dir) + "_bin")
+        dest = dest or os.path.join(text_dir, "bin")
         return text_dir, corpora.preprocess(text_dir, 8, src, tgt, dest), src, tgt
 
 

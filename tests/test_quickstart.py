@@ -55,14 +55,20 @@ exec "$REAL_PYTHON" "$@"
 '''
 
 
-def test_quickstart_sh_runs_the_installed_package_not_the_checkout(tmp_path):
-    """Started from the checkout, the launcher must import the installed ls_fairseq (here a stub
-    standing in for site-packages), not the source tree's, which ``python -m`` would pick."""
+def _stub_site(tmp_path):
+    """A site-packages folder whose ls_fairseq holds only the quickstart stub (STUB)."""
     site = tmp_path / "site"
     (site / "ls_fairseq" / "cli").mkdir(parents=True)
     (site / "ls_fairseq" / "__init__.py").write_text("")
     (site / "ls_fairseq" / "cli" / "__init__.py").write_text("")
     (site / "ls_fairseq" / "cli" / "quickstart.py").write_text(STUB)
+    return site
+
+
+def test_quickstart_sh_runs_the_installed_package_not_the_checkout(tmp_path):
+    """Started from the checkout, the launcher must import the installed ls_fairseq (here a stub
+    standing in for site-packages), not the source tree's, which ``python -m`` would pick."""
+    site = _stub_site(tmp_path)
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -88,11 +94,7 @@ def test_quickstart_sh_runs_the_installed_package_not_the_checkout(tmp_path):
 def test_quickstart_sh_installs_the_torch_the_readme_names(tmp_path, gpu, index, want):
     """Without torch, quickstart.sh installs torch 2.13.0: PyPI's build where nvidia-smi lists a
     GPU, the CPU build (no CUDA libraries) elsewhere; TORCH_INDEX_URL chooses (empty: PyPI)."""
-    site = tmp_path / "site"
-    (site / "ls_fairseq" / "cli").mkdir(parents=True)
-    (site / "ls_fairseq" / "__init__.py").write_text("")
-    (site / "ls_fairseq" / "cli" / "__init__.py").write_text("")
-    (site / "ls_fairseq" / "cli" / "quickstart.py").write_text(STUB)
+    site = _stub_site(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(FAKE_PYTHON)

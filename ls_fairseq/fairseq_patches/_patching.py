@@ -36,10 +36,9 @@ def original(owner, name):
     """fairseq's own ``owner.name``: the original a replacement holds, or the attribute itself
     where nothing is installed."""
     own = _own(owner, name)
-    if own is not _INHERITED and hasattr(_function(own), ORIGINAL):
-        kept = getattr(_function(own), ORIGINAL)
-        return getattr(owner, name) if kept is _INHERITED else kept
-    return own if own is not _INHERITED else getattr(owner, name)
+    if installed(owner, name):
+        own = getattr(_function(own), ORIGINAL)
+    return getattr(owner, name) if own is _INHERITED else own
 
 
 def wrap(owner, name, make) -> None:

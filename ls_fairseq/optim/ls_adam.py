@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 _FP16_MAX = torch.finfo(torch.float16).max
 FUSED_COPY = "--ls-fused-fp16-copy"
 DEFERRED = "--ls-deferred-overflow-check"
+#: why the sharded step cannot apply without fairseq's flat fp32 master (checked before training
+#: from the config, and again at the first update from the optimizer fairseq built)
+NO_FLAT_MASTER = "it needs fairseq's flat fp32 master (drop --fp16-no-flatten-grads)"
+NO_FLAT_MASTER_BF16 = ("it needs fairseq's flat fp32 master, which --bf16 training does not build "
+                       "(one fp32 tensor per parameter): train with --fp16")
 
 
 @dataclass
@@ -495,10 +500,8 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         """Why this optimizer cannot take the sharded step (empty: it can), from what is the
         same on every rank."""
         if not torch.is_tensor(self._master):
-            if self.scaler is None:  # --bf16: fairseq builds one fp32 tensor per parameter
-                return ("it needs fairseq's flat fp32 master, which --bf16 training does not "
-                        "build (one fp32 tensor per parameter): train with --fp16")
-            return "it needs fairseq's flat fp32 master (drop --fp16-no-flatten-grads)"
+            # --bf16 (no scaler): fairseq builds one fp32 tensor per parameter
+            return NO_FLAT_MASTER_BF16 if self.scaler is None else NO_FLAT_MASTER
         if self.fp32_optimizer.optimizer.fp16_stats:
             return "it does not support --fp16-adam-stats"
         ids = {id(p) for p in grads.params}
@@ -715,10 +718,9 @@ def _sharded_step_conflict(cfg, run: switches.RunFacts, fused_copy):
         return f"it runs inside ls_adam's fused fp16 copy, which cannot apply: {fused_copy}"
     common = getattr(cfg, "common", None)
     if getattr(common, "bf16", False):
-        return ("it needs fairseq's flat fp32 master, which --bf16 training does not build (one "
-                "fp32 tensor per parameter): train with --fp16")
+        return NO_FLAT_MASTER_BF16
     if getattr(common, "fp16_no_flatten_grads", False):
-        return "it needs fairseq's flat fp32 master (drop --fp16-no-flatten-grads)"
+        return NO_FLAT_MASTER
     criterion = getattr(cfg, "criterion", None)
     if not hasattr(criterion, "ls_no_copy_engine_all_reduce"):
         return ("it runs on the copy-engine all-reduce of --criterion "

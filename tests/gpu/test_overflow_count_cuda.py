@@ -11,10 +11,9 @@ updates than ``--max-update``: this test fails on that code.
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_training_parity_cuda import UPDATES, prepare, train
+from test_training_parity_cuda import UPDATES, train_side_by_side
 
 pytestmark = pytest.mark.gpu
 
@@ -27,14 +26,7 @@ RUNS = {  # name: (arch, criterion, optimizer, dropout, flags), as test_training
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    work = tmp_path_factory.mktemp("overflows")
-    prepare(work)
-    with ThreadPoolExecutor(len(RUNS)) as pool:
-        return dict(pool.map(lambda name: train(work, name, RUNS[name]), RUNS))
+    return train_side_by_side(tmp_path_factory, "overflows", RUNS)
 
 
 def test_deferred_overflows_keep_fairseqs_update_count_and_learning_rate(logs):

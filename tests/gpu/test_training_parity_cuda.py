@@ -134,16 +134,22 @@ def train(work, name, run=None, more=()):
     return name, parse(out)
 
 
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory):
+def train_side_by_side(tmp_path_factory, folder, runs):
+    """Every run of ``runs`` (name: run, as :data:`RUNS`) at once on the one GPU, on one corpus
+    prepared in a new ``folder``: ``{name: train(...)'s logs}``."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    work = tmp_path_factory.mktemp("parity")
+    work = tmp_path_factory.mktemp(folder)
     prepare(work)
-    with ThreadPoolExecutor(len(RUNS)) as pool:
-        return dict(pool.map(lambda name: train(work, name), RUNS))
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return dict(pool.map(lambda name: train(work, name, runs[name]), runs))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return train_side_by_side(tmp_path_factory, "parity", RUNS)
 
 
 def _lockstep(logs, ref, other, updates, tol, gnorm_tol):

@@ -331,34 +331,27 @@ def main(argv=None):
     out = [head]
     what = args.what.split(",")
     gpu_dtypes = args.gpu_time_dtypes.split(",")
-    for dname in args.dtypes.split(",") if "core" in what else []:
-        dtype = DTYPES[dname]
-        warm_up(dtype, args.dropout)
-        rows = {}
-        for case in ("enc", "dec", "cross"):
-            for b, t in shapes:
-                for name, fn in core_methods(case, b, t, dtype, args.dropout).items():
-                    rows[(case, f"{b}x{t}", name)] = timed(fn, args.iters, dname in gpu_dtypes)
-                torch.cuda.empty_cache()
-        txt = table(f"Attention core, {dname} (fwd+bwd; 'vs' = speed-up over F.mha sdpa cuDNN on, "
-                    "or over the manual bmm path for cross attention)", rows, "F.mha sdpa cuDNN on")
-        print(txt)
-        out.append(txt)
-    for dname in args.module_dtypes.split(",") if "module" in what else []:
-        if not dname:
-            continue
-        dtype = DTYPES[dname]
-        warm_up(dtype, args.dropout)
-        rows = {}
-        for case in ("enc", "dec", "cross"):
-            for b, t in shapes:
-                for name, fn in module_methods(case, b, t, dtype, args.dropout).items():
-                    rows[(case, f"{b}x{t}", name)] = timed(fn, args.iters, dname in gpu_dtypes)
-                torch.cuda.empty_cache()
-        txt = table(f"Attention block (projections + attention + out projection), {dname} "
-                    "('vs' = speed-up over fairseq MultiheadAttention, cuDNN on)", rows, "fairseq MHA cuDNN on")
-        print(txt)
-        out.append(txt)
+    kinds = [  # (dtype names, the methods of a case, the table's title, its baseline method)
+        (args.dtypes if "core" in what else "", core_methods,
+         "Attention core, {} (fwd+bwd; 'vs' = speed-up over F.mha sdpa cuDNN on, or over the "
+         "manual bmm path for cross attention)", "F.mha sdpa cuDNN on"),
+        (args.module_dtypes if "module" in what else "", module_methods,
+         "Attention block (projections + attention + out projection), {} ('vs' = speed-up over "
+         "fairseq MultiheadAttention, cuDNN on)", "fairseq MHA cuDNN on")]
+    for dnames, methods, title, baseline in kinds:
+        for dname in filter(None, dnames.split(",")):
+            dtype = DTYPES[dname]
+            warm_up(dtype, args.dropout)
+            rows = {}
+            for case in ("enc", "dec", "cross"):
+                for b, t in shapes:
+                    for name, fn in methods(case, b, t, dtype, args.dropout).items():
+                        rows[(case, f"{b}x{t}", name)] = timed(fn, args.iters,
+                                                               dname in gpu_dtypes)
+                    torch.cuda.empty_cache()
+            txt = table(title.format(dname), rows, baseline)
+            print(txt)
+            out.append(txt)
     if args.md:
         with open(args.md, "w") as f:
             f.write("\n".join(out) + "\n")
