@@ -15,15 +15,21 @@ Corpora and their recipes (``--corpus``):
 * ``real`` (the default, the gate): real English→German text from the machine's gettext
   catalogs (``bench/benchlib/real_corpus.py``: ~50k message/translation pairs, word level,
   lower-cased, joined dictionary, 1,000 test pairs). Recipe: fairseq's base ``transformer``, 3,000 updates of
-  4,096 tokens, lr 7e-4, 1,000 warm-up updates, dropout 0.3. A variant passes with n >= 5 seeds
-  when its mean BLEU is within ±1.0 of the baseline's, its mean length ratio within ±0.03, and its
-  mean count of degenerate hypotheses at most 20% above the baseline's. Models here are not
-  converged and can loop, as real models do, which is what the gate is for.
+  4,096 tokens, lr 7e-4, 1,000 warm-up updates, dropout 0.3. Bands: mean BLEU within ±1.0 of the
+  baseline's, mean length ratio within ±0.03, mean count of degenerate hypotheses at most 20%
+  above the baseline's; n >= 5 seeds. Models here are not converged and can loop, as real
+  models do, which is what the gate is for.
 * ``synthetic`` (a quick smoke test): the learnable corpus's deterministic transduction
   (``ls_fairseq.testing.learnable_corpus``, ~11k word types a side). Recipe: a 3+3-layer,
   256-wide Transformer, 1,500 updates, lr 1e-3, dropout 0.1; converged at BLEU ~99, so it cannot see a model that loops. Band ±0.5 BLEU,
   ±0.03 length, n >= 3.
 * a directory ``DIR/{train,valid,test}.{SRC,TGT}`` of tokenised text: the real recipe.
+
+Verdict (``summarize``): "pass" when every mean is inside its band; a mean outside its band is
+tested against the seed-to-seed spread (``permutation_p``): p < ``ALPHA`` is "FAIL", else
+"within noise" (the call cannot tell; the table says what it could: ``detectable``); "too few
+seeds" below the recipe's n. ``--tables-from A,B`` pools calls; an exact repeat of a run (fairseq
+repeats bitwise on one GPU) counts once.
 
 Every recipe option can be overridden (``--model``, ``--max-update``, ``--lr`` ...); shared:
 shared embeddings, adam (0.9, 0.98), inverse_sqrt, label smoothing 0.1, weight decay 1e-4,
@@ -72,9 +78,11 @@ takes N times the tokens of a 1-GPU run: pass ``--max-tokens X/N`` to train as a
 import argparse
 import concurrent.futures
 import fcntl
+import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -305,13 +313,18 @@ def degenerate(tokens):
 def score(hyps, refs):
     """sacreBLEU (tokenize none: the corpora are tokenised already) and length ratio of the
     hypotheses against the references (lists in the same order), and the number of degenerate
-    hypotheses."""
+    hypotheses. Beside them, the length ratio over the hypotheses that are not degenerate
+    (``clean_length_ratio``): the loops' share of the length ratio taken out, what is left moves
+    far less from seed to seed and shows a model that writes shorter or longer sentences."""
     import sacrebleu
 
     bleu = sacrebleu.corpus_bleu(hyps, [refs], force=True, tokenize="none")
+    loops = [degenerate(h.split()) for h in hyps]
+    clean_sys = sum(len(h.split()) for h, d in zip(hyps, loops) if not d)
+    clean_ref = sum(len(r.split()) for r, d in zip(refs, loops) if not d)
     return dict(bleu=bleu.score, length_ratio=bleu.sys_len / bleu.ref_len,
-                degenerate=sum(degenerate(h.split()) for h in hyps),
-                sys_len=bleu.sys_len, ref_len=bleu.ref_len)
+                degenerate=sum(loops), sys_len=bleu.sys_len, ref_len=bleu.ref_len,
+                clean_length_ratio=clean_sys / clean_ref if clean_ref else None)
 
 
 def overlong_examples(hyps, refs, k=3, chars=200):
@@ -396,33 +409,127 @@ def degenerate_limit(baseline_mean):
     return max(MAX_DEGENERATE_RATIO * baseline_mean, baseline_mean + 1)
 
 
+#: a difference outside its band fails only when it is this unlikely under "no difference"
+ALPHA = 0.05
+#: permutations drawn when there are more splits than this (else every split is counted)
+PERMUTATIONS = 20000
+
+
+def permutation_p(xs, ys, one_sided=False):
+    """The p-value of mean(xs) - mean(ys) under "both are one population": the share of the ways
+    to split the pooled runs into groups of len(xs) and len(ys) whose difference is at least as
+    large (in size; ``one_sided``: as large upwards). Exact up to ``PERMUTATIONS`` splits, else
+    that many random splits from a fixed seed. Assumes nothing about the runs' distribution,
+    which at 3,000 updates is skewed by the runs that loop."""
+    pooled, n = list(xs) + list(ys), len(xs)
+    if not xs or not ys:
+        return None
+
+    def diff(idx):
+        chosen = set(idx)
+        a = [pooled[i] for i in idx]
+        b = [v for i, v in enumerate(pooled) if i not in chosen]
+        return sum(a) / len(a) - sum(b) / len(b)
+
+    observed, tol = diff(range(n)), 1e-9  # tol: the same split summed in another order
+    beyond = (lambda d: d >= observed - tol) if one_sided else \
+        (lambda d: abs(d) >= abs(observed) - tol)
+    if math.comb(len(pooled), n) <= PERMUTATIONS:
+        splits = [diff(idx) for idx in itertools.combinations(range(len(pooled)), n)]
+        return sum(1 for d in splits if beyond(d)) / len(splits)
+    rng = random.Random(0)
+    hits = sum(1 for _ in range(PERMUTATIONS)
+               if beyond(diff(rng.sample(range(len(pooled)), n))))
+    return (hits + 1) / (PERMUTATIONS + 1)
+
+
+def detectable(sd_a, n_a, sd_b, n_b):
+    """The smallest true difference of means a call of these runs finds with 80% power at
+    ``ALPHA`` (two-sided, normal approximation: 2.8 standard errors)."""
+    if not n_a or not n_b or sd_a is None or sd_b is None:
+        return None
+    return 2.8 * math.sqrt(sd_a ** 2 / n_a + sd_b ** 2 / n_b)
+
+
+#: the judged measures: (row key, summary key of the band check, one-sided upwards?)
+JUDGED = (("bleu", "bleu", False), ("length_ratio", "length", False),
+          ("degenerate", "degenerate", True))
+
+
 def summarize(rows, variants, recipe="real"):
     """One summary per variant: mean/sd of each metric and the verdict against the baseline
-    (the bands of ``RECIPES[recipe]``)."""
+    (the bands of ``RECIPES[recipe]``).
+
+    Each judged mean (BLEU, length ratio, degenerate count) is inside its band, or outside it.
+    Outside, the permutation test says whether the difference stands out of the seed-to-seed
+    spread (p < ``ALPHA``: the variant "FAIL"s) or not ("within noise": this call cannot tell
+    the difference from the spread; ``detectable`` says what it could tell). The verdict is
+    "pass" when every mean is inside its band with n >= the recipe's seeds on both sides."""
     bands = RECIPES[recipe]
     out = {}
     for v in variants:
         good = [r for r in rows if r["variant"] == v and "bleu" in r]
         s = dict(variant=v, n=len(good), failed=sum(1 for r in rows
                                                     if r["variant"] == v and "bleu" not in r))
-        for k in ("bleu", "length_ratio", "degenerate", "valid_loss"):
+        for k in ("bleu", "length_ratio", "degenerate", "valid_loss", "clean_length_ratio"):
             s[k], s[k + "_sd"] = mean_sd([r.get(k) for r in good])
         s["bleu_median"] = median([r["bleu"] for r in good])
         s["low_runs"] = sum(1 for r in good if r["bleu"] < s["bleu_median"] - LOW_RUN_BLEU)
         out[v] = s
     base = out.get("baseline")
+
+    def values(v, key):
+        return [r[key] for r in rows if r["variant"] == v and "bleu" in r
+                and r.get(key) is not None]
+
     for v, s in out.items():
         if v == "baseline" or base is None or base["n"] == 0 or s["n"] == 0:
             continue
         s["d_bleu"] = s["bleu"] - base["bleu"]
         s["d_bleu_median"] = s["bleu_median"] - base["bleu_median"]
         s["d_length_ratio"] = s["length_ratio"] - base["length_ratio"]
-        checks = [abs(s["d_bleu"]) <= bands["max_bleu_delta"],
-                  abs(s["d_length_ratio"]) <= MAX_LENGTH_RATIO_DELTA,
-                  min(s["n"], base["n"]) >= bands["min_seeds"]]
+        inside = {"bleu": abs(s["d_bleu"]) <= bands["max_bleu_delta"],
+                  "length": abs(s["d_length_ratio"]) <= MAX_LENGTH_RATIO_DELTA}
         if s["degenerate"] is not None and base["degenerate"] is not None:
-            checks.append(s["degenerate"] <= degenerate_limit(base["degenerate"]))
-        s["pass"] = all(checks)
+            inside["degenerate"] = s["degenerate"] <= degenerate_limit(base["degenerate"])
+        s["p"], s["outside"] = {}, []
+        for key, name, upwards in JUDGED:
+            if name not in inside:
+                continue
+            s["p"][name] = permutation_p(values(v, key), values("baseline", key), upwards)
+            if not inside[name]:
+                s["outside"].append(name)
+        if s["clean_length_ratio"] is not None and base["clean_length_ratio"] is not None:
+            s["d_clean_length_ratio"] = s["clean_length_ratio"] - base["clean_length_ratio"]
+            s["p_clean_length"] = permutation_p(values(v, "clean_length_ratio"),
+                                                values("baseline", "clean_length_ratio"))
+        s["detectable_bleu"] = detectable(s["bleu_sd"], s["n"], base["bleu_sd"], base["n"])
+        s["detectable_length"] = detectable(s["length_ratio_sd"], s["n"],
+                                            base["length_ratio_sd"], base["n"])
+        enough = min(s["n"], base["n"]) >= bands["min_seeds"]
+        if any(s["p"][name] is not None and s["p"][name] < ALPHA for name in s["outside"]):
+            s["verdict"] = "FAIL"
+        elif not enough:
+            s["verdict"] = "too few seeds"
+        elif s["outside"]:
+            s["verdict"] = "within noise"
+        else:
+            s["verdict"] = "pass"
+        s["pass"] = s["verdict"] == "pass"
+    return out
+
+
+def distinct_runs(rows):
+    """``rows`` less the exact repeats of a run (same variant, seed and results): fairseq's
+    baseline is bitwise repeatable on one GPU, so a call that trains it again adds no run."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r.get("variant"), r.get("seed"), r.get("bleu"), r.get("length_ratio"),
+               r.get("degenerate"), r.get("valid_loss"))
+        if "bleu" in r and key in seen:
+            continue
+        seen.add(key)
+        out.append(r)
     return out
 
 
@@ -463,11 +570,18 @@ def fmt(m, sd, digits):
 
 def tables(rows, summary):
     lines = ["| variant | n | BLEU | length ratio | degenerate | valid loss | Δ BLEU | Δ length | "
-             "verdict | median BLEU (Δ) | low |",
-             "|---|---:|---|---|---|---|---:|---:|---|---|---:|"]
+             "verdict | p BLEU / length / degenerate | detectable Δ BLEU / length | "
+             "median BLEU (Δ) | low |",
+             "|---|---:|---|---|---|---|---:|---:|---|---|---|---|---:|"]
     for v, s in summary.items():
         verdict = "reference" if v == "baseline" else (
-            "–" if "pass" not in s else ("pass" if s["pass"] else "**FAIL**"))
+            "–" if "verdict" not in s else s["verdict"] if s["verdict"] != "FAIL"
+            else "**FAIL**")
+        ps = " / ".join("–" if s.get("p", {}).get(k) is None else f"{s['p'][k]:.2f}"
+                        for k in ("bleu", "length", "degenerate")) if "p" in s else ""
+        det = (f"{s['detectable_bleu']:.1f} / {s['detectable_length']:.3f}"
+               if s.get("detectable_bleu") is not None
+               and s.get("detectable_length") is not None else "")
         d_b = f"{s['d_bleu']:+.2f}" if "d_bleu" in s else ""
         d_l = f"{s['d_length_ratio']:+.3f}" if "d_length_ratio" in s else ""
         med = "–" if s.get("bleu_median") is None else f"{s['bleu_median']:.2f}" + (
@@ -476,7 +590,7 @@ def tables(rows, summary):
                      f"{fmt(s['length_ratio'], s['length_ratio_sd'], 3)} | "
                      f"{fmt(s.get('degenerate'), s.get('degenerate_sd'), 1)} | "
                      f"{fmt(s['valid_loss'], s['valid_loss_sd'], 3)} | {d_b} | {d_l} | "
-                     f"{verdict} | {med} | {s.get('low_runs', 0)} |")
+                     f"{verdict} | {ps} | {det} | {med} | {s.get('low_runs', 0)} |")
     lines += ["", "| variant | seed | BLEU | length ratio | degenerate | valid loss | updates | "
               "overflows | loss scale | train s |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -502,6 +616,17 @@ def tables(rows, summary):
                          f"{sh['overflows']} | {w['master']:.1f} / {w['exp_avg']:.1f} / "
                          f"{w['exp_avg_sq']:.1f} | {b['master']} / {b['exp_avg']} / "
                          f"{b['exp_avg_sq']} | {b['fp16']} | {b['step']} | {b['untouched']} |")
+    clean = [(v, s) for v, s in summary.items() if s.get("clean_length_ratio") is not None]
+    if clean and any("d_clean_length_ratio" in s for _, s in clean):
+        lines += ["", "Beside the verdict: the length ratio over the hypotheses that are not "
+                  "degenerate (the loops taken out):", "",
+                  "| variant | n | length ratio, loops out | Δ | p |", "|---|---:|---|---:|---:|"]
+        for v, s in clean:
+            d = f"{s['d_clean_length_ratio']:+.3f}" if "d_clean_length_ratio" in s else ""
+            pc = f"{s['p_clean_length']:.2f}" if s.get("p_clean_length") is not None else ""
+            lines.append(f"| {v} | {s['n']} | "
+                         f"{fmt(s['clean_length_ratio'], s['clean_length_ratio_sd'], 3)} | "
+                         f"{d} | {pc} |")
     gaps = curve_gaps(rows, list(summary))
     if gaps:
         lines += ["", f"Training loss − baseline's, mean over the seeds at each logged update "
@@ -641,6 +766,12 @@ def main(argv=None):
             rows += saved["rows"]
             variants += [v for v in saved["summary"] if v not in variants]
             recipe = recipe or saved.get("recipe", "synthetic")
+        variants += [r["variant"] for r in rows if r["variant"] not in variants]
+        kept = distinct_runs(rows)
+        if len(kept) < len(rows):
+            print(f"({len(rows) - len(kept)} runs left out: exact repeats of a run in another "
+                  f"file)\n")
+        rows = kept
         summary = summarize(rows, variants, recipe)
         print(tables(rows, summary))
         return summary

@@ -304,6 +304,8 @@ def test_scores_and_degenerate_hypotheses():
             " ".join(["w%d" % i for i in range(100)])]  # 100 tokens: degenerate
     long = quality.score(hyps, refs)
     assert long["length_ratio"] == pytest.approx((14 + 11 + 100) / 19) and long["degenerate"] == 2
+    # the loops taken out: the one clean hypothesis (11 words) against its reference (8)
+    assert long["clean_length_ratio"] == pytest.approx(11 / 8) and same["clean_length_ratio"] == 1.0
     assert long["bleu"] < 100.0
     assert not quality.degenerate("a b a b c".split())  # a 2-gram loop is below the rule
     assert quality.degenerate("x a b c a b c".split())
@@ -316,42 +318,96 @@ def _rows(variant, bleus, ratios, degenerate=None):
 
 
 def test_verdict_against_the_baseline():
+    """Inside every band: pass. Outside a band with three seeds a side, no split of six runs
+    is rare enough (the two most extreme of 20 splits: p = 0.1), so the verdict is "within
+    noise", not FAIL; fewer seeds than the recipe asks: "too few seeds"."""
     rows = (_rows("baseline", [90.0, 91.0, 92.0], [1.0, 1.0, 1.0])
-            + _rows("criterion", [90.6, 91.6, 92.6], [1.0, 1.0, 1.0])     # +0.6 BLEU: fails
+            + _rows("criterion", [90.6, 91.6, 92.6], [1.0, 1.0, 1.0])     # +0.6 BLEU
             + _rows("optimizer", [90.6, 91.4, 91.0], [1.02, 1.02, 1.02])  # +0.0, +0.02: passes
-            + _rows("arch", [91.0, 91.0, 91.0], [1.04, 1.04, 1.04])       # +0.04 length: fails
-            + _rows("ls", [91.0, 91.0], [1.0, 1.0])                       # two seeds: fails
+            + _rows("arch", [91.0, 91.0, 91.0], [1.04, 1.04, 1.04])       # +0.04 length
+            + _rows("ls", [91.0, 91.0], [1.0, 1.0])                       # two seeds
             + [dict(variant="ls_off", seed=1, error="fairseq-train exit 1")])
     s = quality.summarize(rows, ["baseline", "criterion", "optimizer", "arch", "ls", "ls_off"],
                           "synthetic")
     assert s["baseline"]["bleu"] == pytest.approx(91.0) and s["baseline"]["bleu_sd"] == \
         pytest.approx(1.0)
     assert s["criterion"]["d_bleu"] == pytest.approx(0.6) and not s["criterion"]["pass"]
+    assert s["criterion"]["verdict"] == "within noise" and s["criterion"]["outside"] == ["bleu"]
     assert s["optimizer"]["pass"] and s["optimizer"]["d_length_ratio"] == pytest.approx(0.02)
-    assert not s["arch"]["pass"] and not s["ls"]["pass"]
-    assert s["ls_off"]["n"] == 0 and s["ls_off"]["failed"] == 1 and "pass" not in s["ls_off"]
+    assert s["arch"]["verdict"] == "within noise" and s["arch"]["p"]["length"] == \
+        pytest.approx(0.1)
+    assert s["ls"]["verdict"] == "too few seeds" and not s["ls"]["pass"]
+    assert s["ls_off"]["n"] == 0 and s["ls_off"]["failed"] == 1 and "verdict" not in s["ls_off"]
     table = quality.tables(rows, s)
-    assert "| criterion | 3 |" in table and "**FAIL**" in table and "fairseq-train exit 1" in table
+    assert "| criterion | 3 |" in table and "within noise" in table
+    assert "fairseq-train exit 1" in table and "**FAIL**" not in table
     assert s["criterion"]["bleu_median"] == pytest.approx(91.6)
     assert "| 91.60 (+0.60) | 0 |" in table
 
 
 def test_real_text_verdict_bands():
     """The gate's bands (real recipe): BLEU within ±1.0, length ratio within ±0.03, degenerate
-    hypotheses at most 20% above the baseline's mean, and five seeds on both sides."""
+    hypotheses at most 20% above the baseline's mean, and five seeds on both sides; outside a
+    band with every run beyond every baseline run (p = 1/252 one-sided, 2/252 two-sided): FAIL."""
     five = [1.0] * 5
     rows = (_rows("baseline", [27.0, 27.5, 28.0, 27.0, 28.0], five, [14, 15, 13, 14, 14])
             + _rows("ls", [26.6, 27.0, 27.4, 26.5, 27.0], [1.02] * 5, [16, 17, 16, 17, 16])
             + _rows("optimizer", [27.0] * 5, five, [18] * 5)      # 18 > 1.2 x 14: fails
             + _rows("ls_bf16", [25.0] * 5, five, [14] * 5)        # -2.5 BLEU: fails
-            + _rows("crit_opt", [27.5] * 4, five[:4], [14] * 4))  # four seeds: fails
+            + _rows("crit_opt", [27.5] * 4, five[:4], [14] * 4))  # four seeds
     s = quality.summarize(rows, ["baseline", "ls", "optimizer", "ls_bf16", "crit_opt"], "real")
     assert s["ls"]["pass"] and s["ls"]["d_bleu"] == pytest.approx(-0.6)
     assert s["ls"]["degenerate"] == pytest.approx(16.4)
-    assert not s["optimizer"]["pass"] and not s["ls_bf16"]["pass"] and not s["crit_opt"]["pass"]
+    assert s["optimizer"]["verdict"] == "FAIL" and s["optimizer"]["outside"] == ["degenerate"]
+    assert s["optimizer"]["p"]["degenerate"] == pytest.approx(1 / 252)
+    assert s["ls_bf16"]["verdict"] == "FAIL" and s["ls_bf16"]["p"]["bleu"] == \
+        pytest.approx(2 / 252)
+    assert s["crit_opt"]["verdict"] == "too few seeds" and not s["crit_opt"]["pass"]
     assert quality.degenerate_limit(14.0) == pytest.approx(16.8)
     assert quality.degenerate_limit(0.0) == 1.0
-    assert "| ls | 5 | 26.90 ± 0.36 | 1.020 ± 0.000 | 16.4 ± 0.5 |" in quality.tables(rows, s)
+    table = quality.tables(rows, s)
+    assert "| ls | 5 | 26.90 ± 0.36 | 1.020 ± 0.000 | 16.4 ± 0.5 |" in table
+    assert "| ls_bf16 | 5 |" in table and "**FAIL** | 0.01 / 1.00 / " in table
+
+
+def test_a_difference_inside_the_spread_is_within_noise():
+    """Five seeds a side as spread as real runs (length ratio s.d. ~0.15, BLEU ~2.5): a mean
+    0.1 shorter and 2 BLEU higher is outside the bands but not out of the spread; the table
+    says what this call could have told apart (2.8 standard errors)."""
+    base = _rows("baseline", [23.1, 28.6, 23.2, 24.6, 26.7], [1.28, 1.06, 1.22, 0.87, 1.12])
+    ls = _rows("ls", [29.9, 29.5, 27.5, 24.4, 30.1], [1.04, 0.93, 1.08, 0.72, 1.00])
+    s = quality.summarize(base + ls, ["baseline", "ls"], "real")["ls"]
+    assert s["verdict"] == "within noise" and set(s["outside"]) == {"bleu", "length"}
+    assert s["p"]["length"] > quality.ALPHA and s["p"]["bleu"] > quality.ALPHA
+    sd_b, sd_l = (quality.mean_sd([r["length_ratio"] for r in rows])[1] for rows in (base, ls))
+    assert s["detectable_length"] == pytest.approx(2.8 * ((sd_b ** 2 + sd_l ** 2) / 5) ** 0.5)
+
+
+def test_permutation_p():
+    """Exact over every split when there are few; from a fixed seed's random splits when many
+    (then (hits + 1) / (draws + 1), never 0)."""
+    assert quality.permutation_p([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)
+    assert quality.permutation_p([4, 5, 6], [1, 2, 3], one_sided=True) == pytest.approx(1 / 20)
+    assert quality.permutation_p([1, 2, 3], [4, 5, 6], one_sided=True) == 1.0
+    assert quality.permutation_p([1, 2], [1, 2]) == 1.0 and quality.permutation_p([], [1]) is None
+    many = quality.permutation_p(list(range(15)), [x + 10 for x in range(15)])
+    assert many == quality.permutation_p(list(range(15)), [x + 10 for x in range(15)])
+    assert 0 < many < 0.01
+
+
+def test_tables_from_several_calls_count_a_repeated_run_once(tmp_path, capsys):
+    """fairseq's baseline repeats bitwise on one GPU: a second call's identical baseline rows
+    are left out of the pooled table (said in one line); ls_ rows of the same seed that differ
+    are two runs."""
+    base = _rows("baseline", [25.0, 26.0], [1.1, 1.0])
+    first = _rows("ls", [24.0, 27.0], [1.05, 0.95])
+    second = _rows("ls", [25.5, 26.5], [1.00, 1.02])
+    for name, rows in (("a", base + first), ("b", base + second)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            dict(rows=rows, summary={"baseline": {}, "ls": {}}, recipe="real")))
+    summary = quality.main(["--tables-from", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}"])
+    assert summary["baseline"]["n"] == 2 and summary["ls"]["n"] == 4
+    assert "(2 runs left out: exact repeats of a run in another file)" in capsys.readouterr().out
 
 
 def test_recipes_fill_unset_options():
@@ -371,9 +427,11 @@ def test_medians_and_low_runs_are_reported_beside_the_verdict():
             + _rows("ls", [99.1, 99.3, 99.2, 95.0, 99.2, 99.3], [1.0] * 5 + [1.04]))
     s = quality.summarize(rows, ["baseline", "ls"], "synthetic")
     assert s["ls"]["d_bleu"] == pytest.approx(-0.683, abs=1e-3) and not s["ls"]["pass"]
+    assert s["ls"]["verdict"] == "within noise"
     assert s["ls"]["d_bleu_median"] == pytest.approx(0.0) and s["ls"]["low_runs"] == 1
     assert s["baseline"]["low_runs"] == 0 and quality.median([]) is None
-    assert "| **FAIL** | 99.20 (+0.00) | 1 |" in quality.tables(rows, s)
+    assert "| within noise | " in quality.tables(rows, s)
+    assert "| 99.20 (+0.00) | 1 |" in quality.tables(rows, s)
 
 
 def test_loss_curves_against_the_baseline(tmp_path, capsys):
@@ -425,7 +483,7 @@ def test_pipeline_end_to_end_on_cpu(tmp_path, tiny_corpus):
         assert r["updates"] == 8 and r["valid_loss"] > 0 and 0 <= r["bleu"] <= 100
         assert r["sys_len"] > 0 and r["ref_len"] > 0
         assert r["valid_curve"][-1] == [8, r["valid_loss"]] and "overlong_examples" in r
-    assert summary["ls"]["n"] == 1 and "pass" in summary["ls"]
+    assert summary["ls"]["n"] == 1 and summary["ls"]["verdict"] == "too few seeds"
     md = (tmp_path / "q.md").read_text()
     assert "| baseline | 1 |" in md and "1 GPU per run, 8 updates of 512 tokens" in md
     # the saved file prints its tables again
