@@ -36,8 +36,8 @@ two methods is the only way to change them short of a trainer of ls_fairseq's ow
 wrappers call :func:`aggregate_logging_outputs` / :func:`check_grad_norms`, which run fairseq's
 own methods for every trainer whose ``TrainingConfig`` has ``ls_async_stats`` (a ``switches``
 mode) off, as it is for other criteria. Under model parallelism (the data-parallel group is not
-every worker) they step aside with one log line, or refuse the run with ``--ls-async-stats``. Tested in
-tests/test_distributed_stats.py (gloo, against fairseq's
+every worker) they step aside with one log line, or refuse the run with ``--ls-async-stats``.
+Tested in tests/test_distributed_stats.py (gloo, against fairseq's
 ``_check_grad_norms``), tests/gpu/test_distributed_stats_cuda.py (two GPUs, against fairseq's
 ``_all_gather_list_sync``; neither wrapped method waits for the GPU) and tests/test_end_to_end.py
 (two CPU workers of fairseq-train log what one worker with update-freq 2 logs).

@@ -19,10 +19,10 @@ fairseq's method, unchanged (``--fix-batches-to-gpus`` passed by the user is the
 
 The switches are the run's :class:`ls_fairseq.training_config.TrainingConfig`
 (``ls_fix_batches_to_gpus``, ``ls_cost_matching_window``); a default that steps aside is recorded
-there, for the run. The order is :class:`ls_fairseq.data.batch_order.FixedOrder`. The wrapper hands it to the
-iterator it returns as that iterator's own ``ordered_batches`` (:func:`fix_batches`), the method
-through which fairseq's iterator asks for each epoch's batches; every other iterator keeps
-fairseq's (patch 6's) method.
+there, for the run. The order is :class:`ls_fairseq.data.batch_order.FixedOrder`. The wrapper
+hands it to the iterator it returns as that iterator's own ``ordered_batches``
+(:func:`fix_batches`), the method through which fairseq's iterator asks for each epoch's
+batches; every other iterator keeps fairseq's (patch 6's) method.
 """
 import functools
 import logging
