@@ -34,10 +34,10 @@ fairseq-train builds fairseq's ``Trainer`` by name and has no trainer registry, 
 two methods is the only way to change them short of a trainer of ls_fairseq's own.
 ``ls_fairseq.fairseq_patches`` wraps both on the ``Trainer`` class when the plugin loads; the
 wrappers call :func:`aggregate_logging_outputs` / :func:`check_grad_norms`, which run fairseq's
-own methods for every trainer whose criterion's ``ls_async_stats`` (a ``switches`` mode) is off
-or that has no such criterion. Under model parallelism (the data-parallel group is not every
-worker) they step aside with one log line, or refuse the run with ``--ls-async-stats``. Tested in
-tests/test_distributed_stats.py (gloo, against fairseq's
+own methods for every trainer whose ``TrainingConfig`` has ``ls_async_stats`` (a ``switches``
+mode) off, as it is for other criteria. Under model parallelism (the data-parallel group is not
+every worker) they step aside with one log line, or refuse the run with ``--ls-async-stats``.
+Tested in tests/test_distributed_stats.py (gloo, against fairseq's
 ``_check_grad_norms``), tests/gpu/test_distributed_stats_cuda.py (two GPUs, against fairseq's
 ``_all_gather_list_sync``; neither wrapped method waits for the GPU) and tests/test_end_to_end.py
 (two CPU workers of fairseq-train log what one worker with update-freq 2 logs).
@@ -50,14 +50,15 @@ import torch.distributed as dist
 from fairseq import utils
 from fairseq.distributed import utils as distributed_utils
 
-from . import switches
+from . import training_config
 from .host_copy import HostCopy
 
 logger = logging.getLogger(__name__)
 
 
 def _applies(trainer) -> bool:
-    return switches.data_parallel_switch(trainer, "ls_async_stats", "--ls-async-stats", logger)
+    return training_config.data_parallel_switch(trainer, "ls_async_stats", "--ls-async-stats",
+                                                logger)
 
 
 def host_group(trainer):
@@ -130,7 +131,7 @@ def raise_if_inconsistent(norms, amp: bool) -> None:
 def aggregate_logging_outputs(trainer, fairseq_method, logging_outputs, *extra_stats_to_sum,
                               ignore=False):
     """``Trainer._aggregate_logging_outputs`` as wrapped by ``fairseq_patches``: the gather over
-    gloo for a trainer whose criterion has ``ls_async_stats`` set, fairseq's own otherwise."""
+    gloo for a trainer whose config has ``ls_async_stats`` on, fairseq's own otherwise."""
     if _applies(trainer):
         return gather_logging_outputs(trainer, logging_outputs, *extra_stats_to_sum,
                                       ignore=ignore)
@@ -139,7 +140,7 @@ def aggregate_logging_outputs(trainer, fairseq_method, logging_outputs, *extra_s
 
 def check_grad_norms(trainer, fairseq_method, grad_norm):
     """``Trainer._check_grad_norms`` as wrapped by ``fairseq_patches``: the late comparison for a
-    trainer whose criterion has ``ls_async_stats`` set, fairseq's own otherwise."""
+    trainer whose config has ``ls_async_stats`` on, fairseq's own otherwise."""
     if _applies(trainer):
         return check_grad_norms_late(trainer, grad_norm)
     return fairseq_method(trainer, grad_norm)

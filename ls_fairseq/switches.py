@@ -8,12 +8,12 @@ aside by itself elsewhere, with one log line saying why and how to get it.
 A refusal is a :class:`Refused`: fairseq-train reports it as one line on stderr and exits with
 status 2, as for a usage error, without a traceback (``fairseq_patches``, patch 10). Runs are
 checked when fairseq's trainer is built, before any data is loaded for training
-(``fairseq_patches``, patch 9), from the facts in :class:`RunFacts`.
+(``fairseq_patches``, patch 9), from the facts in :class:`RunFacts`. The modes of one run, and
+what it decides later (a mechanism that steps aside for it), are kept in
+:class:`ls_fairseq.training_config.TrainingConfig`.
 """
 import logging
 from dataclasses import dataclass
-
-import torch.distributed as dist
 
 AUTO, ON, OFF = "auto", "on", "off"
 
@@ -74,23 +74,8 @@ def data_parallel_conflict(workers: int, processes: int):
 ONE_PROCESS = "it works between several workers (GPUs), and this run has one"
 
 
-def data_parallel_switch(trainer, attr: str, flag: str, logger: logging.Logger) -> bool:
-    """Whether the criterion's switch ``attr`` (the mode of ``flag``) is on for ``trainer``'s
-    run of several processes of plain data parallelism. One process, or a criterion without the
-    switch: False. Fewer data-parallel workers than processes (model parallelism): refused if
-    required, else the switch goes off for the run, said once."""
-    criterion = getattr(trainer, "_criterion", None)
-    mode = getattr(criterion, attr, OFF)
-    if mode == OFF:
-        return False
-    workers = trainer.data_parallel_world_size
-    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
-        else workers
-    reason = data_parallel_conflict(workers, processes)
-    if reason == "":
-        return False
-    if reason is not None:
-        refuse_or_step_aside(mode, flag, reason, logger)
-        setattr(criterion, attr, OFF)  # stepped aside for the run
-        return False
-    return True
+def at_least(flag: str, value, least, meaning: str = "") -> None:
+    """Refuse ``flag``'s ``value`` below ``least`` (``meaning``: what its smallest values do)."""
+    if value < least:
+        said = f" ({meaning})" if meaning else ""
+        raise Refused(f"{flag} must be >= {least}{said}, got {value}")

@@ -45,6 +45,7 @@ from test_end_to_end import TINY_MODEL, fairseq_cli, make_tiny_data
 from test_fast_defaults import parsed_config
 
 import ls_fairseq
+from ls_fairseq import training_config
 from ls_fairseq.cli import convert_checkpoint, quickstart
 from ls_fairseq.ops import _extension
 
@@ -274,6 +275,10 @@ def test_a_default_cpu_run_says_once_that_the_cuda_graphs_step_aside(ls_checkpoi
     ckpt, trainer, logged = ls_checkpoint
     assert [line for line in logged if "is off for this run" in line] == [GRAPHS_OFF]
     assert trainer.get_num_updates() == 2 and ckpt.exists()
+    # the run's switches, read once by patch 9: fp32 on the CPU, so no update defers a read
+    config = training_config.of(trainer)
+    assert config.ls_criterion and config.ls_adam and config.ls_cuda_graphs == "auto"
+    assert not config.run.host_reads_deferred
 
 
 def test_the_flags_that_apply_on_the_cpu_train(data_bin, tmp_path):
@@ -289,6 +294,7 @@ def test_the_flags_that_apply_on_the_cpu_train(data_bin, tmp_path):
     assert code == 0, err[-3000:]
     trainer = trainers[0]
     assert type(trainer.optimizer) is LSFusedFP16Optimizer and trainer.optimizer.defers_host_reads
+    assert training_config.of(trainer).run.host_reads_deferred  # recorded for patch 2
     assert trainer.get_num_updates() == 2
     assert trainer.get_criterion().ls_fused_output_ce and trainer._model.encoder.layers[0].fp8
     assert [line for line in logged if "is off for this run" in line] == [GRAPHS_OFF]

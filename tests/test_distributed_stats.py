@@ -11,7 +11,7 @@ The wrapped ``_check_grad_norms`` must raise fairseq's FloatingPointError exactl
 own ``_check_grad_norms`` (run here on the same CPU buffer) raises, one update later (or at the
 next gather, whichever comes first). The one
 intended difference: norms that are not finite on every worker pass (an overflow that every worker
-skips). A trainer whose criterion has no ``ls_async_stats`` gets fairseq's methods unchanged.
+skips). A trainer whose config has ``ls_async_stats`` off gets fairseq's methods unchanged.
 """
 import math
 from types import SimpleNamespace
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fairseq.trainer import Trainer
 
 from fairseq_helpers import run_workers
-from ls_fairseq import distributed_stats, fairseq_patches, switches
+from ls_fairseq import distributed_stats, fairseq_patches, switches, training_config
 from ls_fairseq.host_copy import HostCopy
 from ls_fairseq.optim import deferred_overflow
 
@@ -30,13 +30,19 @@ WORLD = 2
 
 
 def _fake_trainer(rank, async_stats=True, amp=False):
-    """The attributes of fairseq's Trainer that the wrapped methods (and fairseq's) read."""
-    return SimpleNamespace(
-        _criterion=SimpleNamespace(ls_async_stats=switches.AUTO if async_stats else switches.OFF),
-        data_parallel_world_size=WORLD,
+    """The attributes of fairseq's Trainer that the wrapped methods (and fairseq's) read, and
+    the run's config (patch 9 attaches it)."""
+    trainer = SimpleNamespace(
+        _criterion=SimpleNamespace(), data_parallel_world_size=WORLD,
         data_parallel_rank=rank, data_parallel_process_group=dist.group.WORLD,
         _grad_norm_buf=torch.zeros(WORLD, dtype=torch.float64),
         cfg=SimpleNamespace(common=SimpleNamespace(amp=amp)))
+    _with_async_stats(trainer, switches.AUTO if async_stats else switches.OFF)
+    return trainer
+
+
+def _with_async_stats(trainer, mode):
+    training_config.attach(trainer, training_config.TrainingConfig(ls_async_stats=mode))
 
 
 def _logs(rank):
@@ -178,7 +184,7 @@ def test_model_parallel_runs_step_aside_or_are_refused(caplog):
         lines = [r.getMessage() for r in caplog.records if "is off for this run" in r.getMessage()]
         assert len(lines) == 1 and lines[0].startswith("ls-async-stats is off for this run: it "
                                                        "needs plain data parallelism"), lines
-        trainer._criterion.ls_async_stats = switches.ON
+        _with_async_stats(trainer, switches.ON)
         with pytest.raises(ValueError, match="^--ls-async-stats: it needs plain data parallelism"):
             distributed_stats._applies(trainer)
 

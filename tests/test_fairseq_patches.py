@@ -18,11 +18,12 @@ from fairseq import options
 from fairseq.distributed import utils as distributed_utils
 
 from fairseq_helpers import IndexDataset, fp16_optimizer_cfg
-from ls_fairseq import fairseq_patches, switches
+from ls_fairseq import fairseq_patches, switches, training_config
 from ls_fairseq.fairseq_patches import _fairseq_version, _patching, p09_trainer_init
 from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
-PATCHED = [(Trainer, "train_step"), (Trainer, "_aggregate_logging_outputs"),
+PATCHED = [(Trainer, "_build_optimizer"), (Trainer, "train_step"),
+           (Trainer, "_aggregate_logging_outputs"),
            (Trainer, "_check_grad_norms"), (Trainer, "load_checkpoint"),
            (Trainer, "get_train_iterator"), (Trainer, "clip_grad_norm"), (Trainer, "__init__"),
            (distributed_utils, "call_main"), (options, "add_model_args")]
@@ -185,7 +186,8 @@ def test_fp16_optimizer_class(optimizer, extra, want):
 
 
 def test_distributed_stats_wrappers_run_fairseqs_methods_for_other_trainers(monkeypatch):
-    """A trainer whose criterion lacks ls_async_stats gets fairseq's own methods, unchanged."""
+    """A trainer without a config (built without patch 9) gets fairseq's own methods,
+    unchanged."""
     from ls_fairseq import distributed_stats
 
     calls = []
@@ -204,7 +206,8 @@ def test_distributed_stats_wrappers_run_fairseqs_methods_for_other_trainers(monk
 class _Trainer:
     def __init__(self, num_updates, defers, device="cuda", log_interval=10):
         self.cfg = SimpleNamespace(common=SimpleNamespace(log_interval=log_interval))
-        self._optimizer = SimpleNamespace(defers_host_reads=defers)
+        training_config.attach(self, training_config.TrainingConfig()).run.host_reads_deferred = \
+            defers
         self.device = torch.device(device)
         self._n = num_updates
 
@@ -275,11 +278,16 @@ def test_grouped_shuffling_keeps_the_batches_fairseq_drops(n_batches, shards):
 
 
 # ---- patch 7: batches fixed to GPUs on several GPUs -----------------------------------------
-def _trainer(mode, workers, grouped_by_user=False):
-    criterion = SimpleNamespace() if mode is None else SimpleNamespace(ls_fix_batches_to_gpus=mode)
-    return SimpleNamespace(_criterion=criterion, data_parallel_world_size=workers,
-                           cfg=SimpleNamespace(dataset=SimpleNamespace(
-                               grouped_shuffling=grouped_by_user)))
+def _trainer(mode, workers, grouped_by_user=False, window=0):
+    """A trainer as patch 7 sees it; ``mode``: its config's ``ls_fix_batches_to_gpus`` (None:
+    another criterion, whose config has the switch off)."""
+    trainer = SimpleNamespace(_criterion=SimpleNamespace(), data_parallel_world_size=workers,
+                              cfg=SimpleNamespace(dataset=SimpleNamespace(
+                                  grouped_shuffling=grouped_by_user)))
+    config = training_config.TrainingConfig() if mode is None else training_config.TrainingConfig(
+        ls_criterion=True, ls_fix_batches_to_gpus=mode, ls_cost_matching_window=window)
+    training_config.attach(trainer, config)
+    return trainer
 
 
 @pytest.mark.parametrize("mode,workers,grouped,applies", [
@@ -457,8 +465,7 @@ def test_train_iterator_passes_the_cost_matching_window(workers, window, fixed_l
     GPUs and says so in its line."""
     from fairseq.data import iterators
 
-    trainer = _trainer("auto", workers)
-    trainer._criterion.ls_cost_matching_window = window
+    trainer = _trainer("auto", workers, window=window)
 
     def fairseqs(self, epoch, **kwargs):
         return iterators.EpochBatchIterator(IndexDataset(), lambda x: x, [[0]] * 6,
@@ -479,8 +486,7 @@ def test_cost_matching_window_without_fixed_batches_is_refused():
     that check cannot know (here: one worker, as a backstop)."""
     from fairseq.data import iterators
 
-    trainer = _trainer("auto", 1)
-    trainer._criterion.ls_cost_matching_window = 16
+    trainer = _trainer("auto", 1, window=16)
     wrapped = fairseq_patches.fixed_batches_train_iterator(
         lambda self, epoch, **kw: iterators.EpochBatchIterator(IndexDataset(), lambda x: x,
                                                                [[0]] * 6))
@@ -517,7 +523,12 @@ def test_prefetching_datasets_keep_fairseqs_order(mode, monkeypatch, caplog):
         for epoch in (1, 2):
             assert fairseq_patches.fixed_order(wrapped(trainer, epoch, load_dataset=False)) \
                 is None
-    assert trainer._criterion.ls_fix_batches_to_gpus == switches.OFF  # for the run
+    # stepped aside for the run: recorded on the run's config, the flags' mode kept
+    config = training_config.of(trainer)
+    assert config.mode("ls_fix_batches_to_gpus") == switches.OFF
+    assert config.ls_fix_batches_to_gpus == mode and \
+        list(config.run.stepped_aside) == ["ls_fix_batches_to_gpus"]
+    assert vars(trainer._criterion) == {}
     said = [r.message for r in caplog.records if "is off for this run" in r.message]
     assert said == ["ls-fix-batches-to-gpus is off for this run: the dataset prefetches, and "
                     "fairseq keeps its own order for such datasets (its --fix-batches-to-gpus "
@@ -569,6 +580,9 @@ def test_trainer_init_runs_the_check(monkeypatch):
     trainer = SimpleNamespace()
     init(trainer, "cfg", None, None, None)
     assert seen == ["cfg"]
+    # then the run's config is read once and kept on the trainer (a cfg of neither the criterion
+    # nor ls_adam: every switch off)
+    assert training_config.of(trainer) == training_config.TrainingConfig()
     assert Trainer.__init__.__wrapped__.__qualname__ == "Trainer.__init__"
 
 

@@ -187,26 +187,26 @@ def test_fused_copy_steps_aside_or_is_refused_under_pipeline_parallelism(caplog)
 
 
 def test_deferred_check_default_and_where_it_steps_aside(caplog, monkeypatch):
-    assert ls_adam._defers_overflow_check(_cfg())
-    assert not ls_adam._defers_overflow_check(_cfg(ls_no_deferred_overflow_check=True))
+    assert ls_adam.defers_overflow_check(_cfg())
+    assert not ls_adam.defers_overflow_check(_cfg(ls_no_deferred_overflow_check=True))
     with caplog.at_level("INFO"):
-        assert not ls_adam._defers_overflow_check(_cfg(fp16_adam_stats=True))
+        assert not ls_adam.defers_overflow_check(_cfg(fp16_adam_stats=True))
     assert "--fp16-adam-stats" in _off_lines(caplog, "ls-deferred-overflow-check")[0]
     with pytest.raises(ValueError, match="^--ls-deferred-overflow-check: .*--fp16-adam-stats"):
-        ls_adam._defers_overflow_check(_cfg(fp16_adam_stats=True,
+        ls_adam.defers_overflow_check(_cfg(fp16_adam_stats=True,
                                             ls_deferred_overflow_check=True))
     # several workers: needs the criterion's async stats (on by default)
     monkeypatch.setattr(deferred_overflow, "several_workers", lambda: True)
-    assert ls_adam._defers_overflow_check(_cfg())
+    assert ls_adam.defers_overflow_check(_cfg())
     for criterion, why in (("no_async_stats", "--ls-no-async-stats keeps fairseq's check"),
                            ("fairseq", "needs --criterion ls_label_smoothed_cross_entropy")):
         caplog.clear()
         with caplog.at_level("INFO"):
-            assert not ls_adam._defers_overflow_check(_cfg(criterion=criterion))
+            assert not ls_adam.defers_overflow_check(_cfg(criterion=criterion))
         assert why in _off_lines(caplog, "ls-deferred-overflow-check")[0]
     model_parallel = _cfg()
     model_parallel.common.model_parallel_size = 2
-    assert not ls_adam._defers_overflow_check(model_parallel)
+    assert not ls_adam.defers_overflow_check(model_parallel)
 
 
 def test_deferred_check_needs_the_fused_copy_when_required():
@@ -494,7 +494,7 @@ def test_on_a_gpu_the_required_mechanisms_are_built(monkeypatch):
     cfg = _parsed("--fp16", "--ls-fused-fp16-copy", "--fp16-adam-stats")
     assert ls_adam.fp16_optimizer_class(cfg) is ls_adam.LSFusedFP16Optimizer
     cfg = _parsed("--fp16", "--ls-deferred-overflow-check")
-    assert ls_adam._defers_overflow_check(cfg)
+    assert ls_adam.defers_overflow_check(cfg)
     criterion = criterions.build_criterion(
         parsed_config("--ls-cuda-graphs", "--ls-copy-engine-all-reduce")[0],
         DummyTask(make_dictionary()))

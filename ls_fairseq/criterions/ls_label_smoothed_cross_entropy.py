@@ -50,7 +50,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 
-from .. import ops, switches
+from .. import ops, switches, training_config
 from ..workers import several_workers
 from ..flops import TransformerFlops, device_peak_tflops
 from ..graphs import (
@@ -225,21 +225,20 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
         self.ls_fused_output_ce = ls_fused_output_ce
-        if ls_fused_output_ce_chunk < 0:
-            raise switches.Refused(f"--ls-fused-output-ce-chunk must be >= 0 (0: about 256 MiB "
-                                   f"of logits per chunk), got {ls_fused_output_ce_chunk}")
+        # the refusals of the run's config (ls_fairseq.training_config), in their order here
+        switches.at_least("--ls-fused-output-ce-chunk", ls_fused_output_ce_chunk, 0,
+                          training_config.CHUNK_ZERO)
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
         graphs = switches.resolve(ls_cuda_graphs, ls_no_cuda_graphs, "--ls-cuda-graphs")
         use_graphs = graphs != switches.OFF
-        if use_graphs and ls_cuda_graphs_max < 1:
-            raise switches.Refused(f"--ls-cuda-graphs-max must be >= 1, got {ls_cuda_graphs_max}")
+        if use_graphs:
+            switches.at_least("--ls-cuda-graphs-max", ls_cuda_graphs_max, 1)
         self.shape_buckets = self._shape_buckets(
             task, ls_shape_buckets, ls_shape_bucket_slack) if use_graphs else None
         copy_engine = switches.resolve(ls_copy_engine_all_reduce, ls_no_copy_engine_all_reduce,
                                        "--ls-copy-engine-all-reduce")
         if copy_engine == switches.ON and not use_graphs:
-            raise switches.Refused("--ls-copy-engine-all-reduce: it is part of the CUDA-graph "
-                                   "engine; drop --ls-no-cuda-graphs")
+            raise switches.Refused(training_config.COPY_ENGINE_WITHOUT_GRAPHS)
         first_sighting = captures_first_sighting(str(ls_cuda_graphs_capture),
                                                  padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
@@ -247,14 +246,12 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             capture_first_sighting=first_sighting, memory=str(ls_cuda_graphs_memory),
             required=graphs == switches.ON, copy_engine=copy_engine) if use_graphs else None
         self._flops_of = (None, None)  # (model, its TransformerFlops), see _model_flops
-        # read by the trainer methods ls_fairseq.fairseq_patches wraps (distributed_stats)
+        # the modes its check_run reads; the trainer's patches read the run's TrainingConfig
         self.ls_async_stats = switches.resolve(ls_async_stats, ls_no_async_stats,
                                                "--ls-async-stats")
         self.ls_fix_batches_to_gpus = switches.resolve(
             ls_fix_batches_to_gpus, ls_no_fix_batches_to_gpus, "--ls-fix-batches-to-gpus")
-        if ls_cost_matching_window < 0:
-            raise switches.Refused(f"--ls-cost-matching-window must be >= 0 (0: off), got "
-                                   f"{ls_cost_matching_window}")
+        switches.at_least("--ls-cost-matching-window", ls_cost_matching_window, 0, "0: off")
         self.ls_cost_matching_window = int(ls_cost_matching_window)
 
     def check_run(self, cfg, run: switches.RunFacts, model=None) -> None:

@@ -10,7 +10,8 @@ own method unchanged for any run it does not concern. ``ls_fairseq/__init__.py``
 =====  =======================  ============================================================
 patch  module                   fairseq attribute(s) it wraps
 =====  =======================  ============================================================
-1      p01_fp16_optimizer       ``FP16Optimizer.build_optimizer`` (fused fp16 copy)
+1      p01_fp16_optimizer       ``FP16Optimizer.build_optimizer`` (fused fp16 copy),
+                                ``Trainer._build_optimizer`` (records what it means for the run)
 2      p02_train_step           ``Trainer.train_step`` (honest interval wps)
 3      p03_distributed_stats    ``Trainer._aggregate_logging_outputs``, ``._check_grad_norms``
 4      p04_load_checkpoint      ``Trainer.load_checkpoint`` (the other side's checkpoints)
@@ -32,7 +33,9 @@ importing this package ends the process with one line (``_fairseq_version``), an
 checks that the method it wraps exists. A replacement keeps the attribute it replaced
 (``_patching``): :func:`install` twice is a no-op, :func:`uninstall` puts fairseq's own
 attributes back (the same objects), and :func:`install` then applies the patches again. The
-batch orders of patches 6 and 7 are policy of :mod:`ls_fairseq.data.batch_order`. Tested in
+batch orders of patches 6 and 7 are policy of :mod:`ls_fairseq.data.batch_order`. The patches
+read the run's ``--ls-*`` switches from its :class:`ls_fairseq.training_config.TrainingConfig`,
+built by patch 9. Tested in
 tests/test_fairseq_patches.py (and end to end where the docstring of each test file there says).
 """
 from . import _patching
@@ -80,9 +83,11 @@ from .p07_fixed_batches import (  # noqa: E402,F401
     fixes_batches,
 )
 from .p08_clip_grad_norm import take_back_skipped_updates  # noqa: E402,F401
+from .p01_fp16_optimizer import record_optimizer  # noqa: E402,F401
 from .p09_trainer_init import (  # noqa: E402,F401
     check_run,
     checked_trainer_init,
+    configure,
     fp16_device_conflict,
     run_facts,
 )

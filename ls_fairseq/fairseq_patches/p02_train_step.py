@@ -12,14 +12,16 @@ import functools
 
 import torch
 
+from .. import training_config
+
 NUMBER = 2
 
 
 def update_waits_for_gpu(trainer) -> bool:
     """False when the trainer's update leaves GPU work queued at its end without a host read
-    (ls_adam's deferred overflow check)."""
-    optimizer = getattr(trainer, "_optimizer", None)
-    return not getattr(optimizer, "defers_host_reads", False)
+    (ls_adam's deferred overflow check: its run's ``TrainingConfig``, as patch 1 recorded it)."""
+    config = training_config.of(trainer)
+    return not (config is not None and config.run.host_reads_deferred)
 
 
 def logs_after(trainer) -> bool:

@@ -17,15 +17,17 @@ otherwise wait for. ``--ls-no-fix-batches-to-gpus``, one GPU, other criterions, 
 parallelism, prefetching datasets and runs that pass ``--grouped-shuffling`` themselves:
 fairseq's method, unchanged (``--fix-batches-to-gpus`` passed by the user is the same order).
 
-The order is :class:`ls_fairseq.data.batch_order.FixedOrder`. The wrapper hands it to the
-iterator it returns as that iterator's own ``ordered_batches`` (:func:`fix_batches`), the method
-through which fairseq's iterator asks for each epoch's batches; every other iterator keeps
-fairseq's (patch 6's) method.
+The switches are the run's :class:`ls_fairseq.training_config.TrainingConfig`
+(``ls_fix_batches_to_gpus``, ``ls_cost_matching_window``); a default that steps aside is recorded
+there, for the run. The order is :class:`ls_fairseq.data.batch_order.FixedOrder`. The wrapper
+hands it to the iterator it returns as that iterator's own ``ordered_batches``
+(:func:`fix_batches`), the method through which fairseq's iterator asks for each epoch's
+batches; every other iterator keeps fairseq's (patch 6's) method.
 """
 import functools
 import logging
 
-from .. import switches
+from .. import switches, training_config
 from ..data.batch_order import FixedOrder
 
 NUMBER = 7
@@ -66,7 +68,7 @@ def fix_batches(itr, window: int = 0) -> None:
 
 def fixes_batches(trainer) -> bool:
     """Whether patch 7 applies to ``trainer``'s run (see the module docstring)."""
-    return not trainer.cfg.dataset.grouped_shuffling and switches.data_parallel_switch(
+    return not trainer.cfg.dataset.grouped_shuffling and training_config.data_parallel_switch(
         trainer, "ls_fix_batches_to_gpus", "--ls-fix-batches-to-gpus", logger)
 
 
@@ -75,16 +77,17 @@ def fixed_batches_train_iterator(original):
     @functools.wraps(original)
     def get_train_iterator(self, *args, **kwargs):
         itr = original(self, *args, **kwargs)
-        window = getattr(getattr(self, "_criterion", None), "ls_cost_matching_window", 0)
+        config = training_config.of(self)
+        window = config.ls_cost_matching_window if config is not None else 0
         fixed = fixes_batches(self)
         if fixed and getattr(itr, "_supports_prefetch", False):
             # fairseq's own --fix-batches-to-gpus path, which FixedOrderedBatches leaves to fairseq
-            criterion = self._criterion
-            switches.refuse_or_step_aside(
-                criterion.ls_fix_batches_to_gpus, "--ls-fix-batches-to-gpus",
-                "the dataset prefetches, and fairseq keeps its own order for such datasets "
-                "(its --fix-batches-to-gpus gives this order)", logger)
-            criterion.ls_fix_batches_to_gpus, fixed = switches.OFF, False  # for the run
+            reason = ("the dataset prefetches, and fairseq keeps its own order for such datasets "
+                      "(its --fix-batches-to-gpus gives this order)")
+            switches.refuse_or_step_aside(config.mode("ls_fix_batches_to_gpus"),
+                                          "--ls-fix-batches-to-gpus", reason, logger)
+            config.step_aside("ls_fix_batches_to_gpus", reason)
+            fixed = False
         if window > 1 and not fixed:  # the criterion's check_run refused the other cases
             raise switches.refusal("--ls-cost-matching-window", "it orders the batches fixed "
                                    "to GPUs, which this run does not use")

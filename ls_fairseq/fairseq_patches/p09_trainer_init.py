@@ -5,11 +5,13 @@ Once fairseq's trainer is built, and before it loads a checkpoint or the trainin
 criterion's ``check_run``, ls_adam's ``check_run``), and so is ``--fp16`` on the CPU, where
 fairseq's ``FP16Optimizer`` would fail deep inside torch ("Found no NVIDIA driver"). On the CPU
 the default CUDA graphs step aside here, with their one line. Runs with nothing to refuse:
-fairseq's method, unchanged.
+fairseq's method, unchanged. Then the run's ``--ls-*`` switches are read once into its
+:class:`ls_fairseq.training_config.TrainingConfig` (:func:`configure`), which the other patches
+read.
 """
 import functools
 
-from .. import switches
+from .. import switches, training_config
 
 NUMBER = 9
 
@@ -60,12 +62,19 @@ def check_run(trainer) -> None:
     ls_adam.check_run(trainer.cfg, run)
 
 
+def configure(trainer) -> training_config.TrainingConfig:
+    """Patch 9: ``trainer``'s :class:`TrainingConfig`, read from its ``cfg`` once and kept on it
+    (``training_config.of``)."""
+    return training_config.attach(trainer, training_config.TrainingConfig.from_cfg(trainer.cfg))
+
+
 def checked_trainer_init(original):
     """Patch 9's wrapper of ``Trainer.__init__`` (``original``: fairseq's)."""
     @functools.wraps(original)
     def __init__(self, cfg, task, model, criterion, *args, **kwargs):
         original(self, cfg, task, model, criterion, *args, **kwargs)
         check_run(self)
+        configure(self)
     return __init__
 
 

@@ -442,7 +442,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
             self._master = list(fp32_params)
             for p32 in self._master:
                 p32.grad = None
-        self._deferred = _defers_overflow_check(cfg)
+        self._deferred = defers_overflow_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
         self._skipped_updates = 0  # booked overflows the trainer has not taken back yet
         # the sharded step (graphs/sharded_step.py): None until decided at the first update
@@ -628,11 +628,12 @@ class LSFusedFP16Optimizer(FP16Optimizer):
             self._multiply_factor = 1.0
 
 
-def _defers_overflow_check(cfg) -> bool:
+def defers_overflow_check(cfg, quiet: bool = False) -> bool:
     """Whether LSFusedFP16Optimizer defers its overflow test (``--ls-deferred-overflow-check``,
     on by default where it applies). Under ``--bf16`` there is no loss scaler: the deferred test
     then only stops the run on a non-finite grad norm (one update late), as fairseq's trainer
-    does at once."""
+    does at once. ``quiet``: the answer only (``fairseq_patches``, patch 1, once the optimizer
+    has said it or refused)."""
     opt = getattr(cfg, "optimizer", None)
     mode = switches.resolve(getattr(opt, "ls_deferred_overflow_check", False),
                             getattr(opt, "ls_no_deferred_overflow_check", False), DEFERRED)
@@ -640,7 +641,8 @@ def _defers_overflow_check(cfg) -> bool:
         return False
     reason = _deferred_check_conflict(cfg)
     if reason is not None:
-        switches.refuse_or_step_aside(mode, DEFERRED, reason, logger)
+        if not quiet:
+            switches.refuse_or_step_aside(mode, DEFERRED, reason, logger)
         return False
     return True
 

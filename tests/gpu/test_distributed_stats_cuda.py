@@ -24,11 +24,15 @@ _HOST_GROUP = []  # the worker's gloo group, for the barrier before each probe
 
 
 def _trainer(rank, group):
-    return SimpleNamespace(
-        _criterion=SimpleNamespace(ls_async_stats="on"), data_parallel_world_size=2,
+    from ls_fairseq import training_config
+
+    trainer = SimpleNamespace(
+        _criterion=SimpleNamespace(), data_parallel_world_size=2,
         data_parallel_rank=rank, data_parallel_process_group=group, tpu=False,
         _grad_norm_buf=torch.zeros(2, dtype=torch.float64, device="cuda"),
         cfg=SimpleNamespace(common=SimpleNamespace(amp=False, all_gather_list_size=16384)))
+    training_config.attach(trainer, training_config.TrainingConfig(ls_async_stats="on"))
+    return trainer
 
 
 def _still_running(fn, *args, **kwargs):
