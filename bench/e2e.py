@@ -116,7 +116,7 @@ VARIANTS["ls_graphs_after"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_grap
                                    flags=VARIANTS["ls_graphs"]["flags"] + [
                                        "--ls-all-reduce-bucket-mb", "0"])
 # several GPUs: fairseq's per-update exchanges between workers off the GPU's critical path
-# (ls_fairseq/distributed_stats.py); the flag does nothing on one GPU, whose figure is reused
+# (ls_fairseq/distributed/async_stats.py); the flag does nothing on one GPU, whose figure is reused
 VARIANTS["ls_graphs_async"] = dict(VARIANTS["ls_graphs"], single_gpu_as="ls_graphs",
                                    flags=VARIANTS["ls_graphs"]["flags"] + ["--ls-async-stats"])
 VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred",
@@ -128,7 +128,7 @@ VARIANTS["ls_async"] = dict(VARIANTS["ls_deferred"], single_gpu_as="ls_deferred"
 VARIANTS["ls_fairseq_order"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-fix-batches-to-gpus"])
 VARIANTS["ls_grouped_fairseq"] = dict(_LS, single_gpu_as="ls", flags=["--grouped-shuffling"])
 # several GPUs: ls_ all-reduces the gradient buckets by copy engines by default
-# (graphs/peer_all_reduce.py); ls_nccl_all_reduce keeps NCCL's all-reduce (same run on one GPU)
+# (distributed/peer_all_reduce.py); ls_nccl_all_reduce keeps NCCL's all-reduce (same run on one GPU)
 VARIANTS["ls_nccl_all_reduce"] = dict(_LS, single_gpu_as="ls",
                                       flags=["--ls-no-copy-engine-all-reduce"])
 # several GPUs: the gradient buckets' size (--ls-all-reduce-bucket-mb, 25 by default); the same
@@ -143,7 +143,8 @@ VARIANTS["ls_matched"] = dict(_LS, single_gpu_as="ls", flags=["--ls-cost-matchin
 # memory (LS_FAIRSEQ_PEER_BARRIER=flags) instead of NCCL's one-element all-reduces
 VARIANTS["ls_flag_barrier"] = dict(_LS, single_gpu_as="ls", env={"LS_FAIRSEQ_PEER_BARRIER": "flags"})
 # several GPUs: each GPU steps Adam on the gradient shards it sums by default
-# (graphs/sharded_step.py); ls_whole_step runs the whole step on every GPU (same run on one GPU)
+# (distributed/sharded_step.py); ls_whole_step runs the whole step on every GPU (same run on one
+# GPU)
 VARIANTS["ls_whole_step"] = dict(_LS, single_gpu_as="ls", flags=["--ls-no-sharded-optimizer-step"])
 VARIANTS["baseline_nocudnn_grouped"] = dict(VARIANTS["baseline_nocudnn"],
                                             single_gpu_as="baseline_nocudnn",

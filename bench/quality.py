@@ -123,9 +123,10 @@ VARIANTS["ls_grouped"] = dict(VARIANTS["ls"], flags=["--grouped-shuffling"])
 VARIANTS["baseline_grouped"] = dict(VARIANTS["baseline"], flags=["--grouped-shuffling"])
 # ls_matched: ``ls`` with an update's batches matched by cost (--ls-cost-matching-window 16)
 VARIANTS["ls_matched"] = dict(VARIANTS["ls"], flags=["--ls-cost-matching-window", "16"])
-# several GPUs: ``ls`` sums gradients by copy engines (graphs/peer_all_reduce.py); this keeps NCCL's
+# several GPUs: ``ls`` sums gradients by copy engines (distributed/peer_all_reduce.py); this keeps
+# NCCL's
 VARIANTS["ls_nccl_all_reduce"] = dict(VARIANTS["ls"], flags=["--ls-no-copy-engine-all-reduce"])
-# several GPUs: ``ls`` steps Adam on each GPU's own shards (graphs/sharded_step.py); this steps
+# several GPUs: ``ls`` steps Adam on each GPU's own shards (distributed/sharded_step.py); this steps
 # the whole model on every GPU
 VARIANTS["ls_whole_step"] = dict(VARIANTS["ls"], flags=["--ls-no-sharded-optimizer-step"])
 # the optimizer path taken apart: ls_adam alone without its deferred overflow check, without its

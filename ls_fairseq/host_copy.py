@@ -2,7 +2,7 @@
 
 Used by the criterion's logged scalars (``criterions/host_scalars.py``), by ls_adam's deferred
 overflow check (``optim/deferred_overflow.py``) and by the late grad-norm agreement check
-(``distributed_stats.py``).
+(``distributed/async_stats.py``).
 """
 import torch
 

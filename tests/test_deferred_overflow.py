@@ -47,7 +47,7 @@ def test_matches_fairseq_fp16_optimizer_with_overflows(clip, update_freq, overfl
     extra = ["--clip-norm", str(clip), "--fp16-scale-window", "3"]
     ref_params, ref = _build("adam", extra)
     params, opt = _build("ls_adam", extra + DEFERRED)
-    assert isinstance(opt, LSFusedFP16Optimizer) and opt._deferred
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt.defers_host_reads
     steps = 12
     ref_overflows, ref_norms = fp16_trainer_run(ref, ref_params, steps, 1, overflow_at,
                                                 update_freq, clip)
@@ -129,9 +129,9 @@ def test_unsupported_combinations_are_clear_errors(extra, flag):
 
 def test_on_by_default():
     _, opt = _build("ls_adam", [])
-    assert isinstance(opt, LSFusedFP16Optimizer) and opt._deferred
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt.defers_host_reads
     _, opt = _build("ls_adam", ["--ls-no-deferred-overflow-check"])
-    assert isinstance(opt, LSFusedFP16Optimizer) and not opt._deferred
+    assert isinstance(opt, LSFusedFP16Optimizer) and not opt.defers_host_reads
     _, opt = _build("ls_adam", ["--ls-no-fused-fp16-copy"])
     assert type(opt) is FP16Optimizer
 
@@ -228,7 +228,7 @@ def test_bf16_matches_fairseq_and_stops_one_update_late_on_non_finite_gradients(
     update's backward, the bad update itself skipped on the device."""
     ref_params, ref = _build_bf16("adam", [])
     params, opt = _build_bf16("ls_adam", [])
-    assert isinstance(opt, LSFusedFP16Optimizer) and opt._deferred and opt.scaler is None
+    assert isinstance(opt, LSFusedFP16Optimizer) and opt.defers_host_reads and opt.scaler is None
     _, ref_norms = fp16_trainer_run(ref, ref_params, 6, 1)
     _, norms = fp16_trainer_run(opt, params, 6, 1)
     for a, b in zip(ref_norms, norms):

@@ -1,4 +1,4 @@
-"""``--ls-async-stats`` (ls_fairseq/distributed_stats.py) on the CPU, two gloo processes.
+"""``--ls-async-stats`` (ls_fairseq/distributed/async_stats.py) on the CPU, two gloo processes.
 
 The wrapped ``Trainer._aggregate_logging_outputs`` must return what fairseq's
 ``_all_gather_list_sync`` returns: every worker's logging outputs in rank order (a HostCopy
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from fairseq.trainer import Trainer
 
 from fairseq_helpers import run_workers
-from ls_fairseq import distributed_stats, fairseq_patches, switches, training_config
+from ls_fairseq import fairseq_patches, switches, training_config
+from ls_fairseq.distributed import async_stats as distributed_stats
 from ls_fairseq.host_copy import HostCopy
 from ls_fairseq.optim import deferred_overflow
 

@@ -188,7 +188,7 @@ def test_fp16_optimizer_class(optimizer, extra, want):
 def test_distributed_stats_wrappers_run_fairseqs_methods_for_other_trainers(monkeypatch):
     """A trainer without a config (built without patch 9) gets fairseq's own methods,
     unchanged."""
-    from ls_fairseq import distributed_stats
+    from ls_fairseq.distributed import async_stats as distributed_stats
 
     calls = []
     trainer = SimpleNamespace(_criterion=SimpleNamespace())

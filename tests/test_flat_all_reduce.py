@@ -1,6 +1,7 @@
-"""ls_adam's gradient all-reduce under fairseq's legacy_ddp (ls_fairseq/graphs/flat_all_reduce.py)
-against fairseq's own LegacyDistributedDataParallel.all_reduce_grads: two CPU processes (gloo),
-different random gradients per rank, odd parameter sizes. The flat path must give bitwise the
+"""ls_adam's gradient all-reduce under fairseq's legacy_ddp
+(ls_fairseq/distributed/flat_all_reduce.py) against fairseq's own
+LegacyDistributedDataParallel.all_reduce_grads: two CPU processes (gloo), different random
+gradients per rank, odd parameter sizes. The flat path must give bitwise the
 same gradients (same dtype, same division, a two-rank sum is order-free), and must hand over to
 fairseq's method whenever the gradients are not exactly a set of flat buffers."""
 import pytest
@@ -10,7 +11,7 @@ from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrappe
 
 from fairseq_helpers import run_workers
 
-from ls_fairseq.graphs import flat_all_reduce
+from ls_fairseq.distributed import flat_all_reduce
 from ls_fairseq.wrappers import data_parallel_of, grad_sync_due, is_torch_ddp, world_size
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
 
@@ -66,7 +67,7 @@ def _worker(rank, dtype):
     for p, g in zip(plain.parameters(), _grads(plain, rank)):
         p.grad = g.clone()
     w = ModuleProxyWrapper(LegacyDistributedDataParallel(plain, group))
-    out["plain_took_flat"] = flat_all_reduce.all_reduce_flat(w)
+    out["plain_took_flat"] = flat_all_reduce.all_reduce_flat(w, None)
     opt.all_reduce_grads(w)
     out["plain_equal"] = all(torch.equal(p.grad, q.grad)
                              for p, q in zip(plain.parameters(), ref.parameters()))
@@ -76,7 +77,8 @@ def _worker(rank, dtype):
     _flat_views(acc, local)
     ddp = LegacyDistributedDataParallel(acc, group)
     with ddp.no_sync():
-        out["no_sync_took_flat"] = flat_all_reduce.all_reduce_flat(ModuleProxyWrapper(ddp))
+        out["no_sync_took_flat"] = flat_all_reduce.all_reduce_flat(ModuleProxyWrapper(ddp),
+                                                                   None)
     out["no_sync_untouched"] = all(torch.equal(p.grad, g) for p, g in zip(acc.parameters(), local))
     return out
 
@@ -121,8 +123,8 @@ def test_not_legacy_ddp_is_left_to_fairseq():
     model = _model(torch.float32)
     _flat_views(model, _grads(model, 0))
     assert data_parallel_of(model) is None
-    assert not flat_all_reduce.all_reduce_flat(model)
-    assert not flat_all_reduce.all_reduce_flat(ModuleProxyWrapper(_Holder(model)))
+    assert not flat_all_reduce.all_reduce_flat(model, None)
+    assert not flat_all_reduce.all_reduce_flat(ModuleProxyWrapper(_Holder(model)), None)
 
 
 class _Holder(torch.nn.Module):  # a wrapper of the kind ModuleProxyWrapper takes (not DDP)
@@ -134,9 +136,10 @@ class _Holder(torch.nn.Module):  # a wrapper of the kind ModuleProxyWrapper take
 def test_torch_ddp_is_found_through_the_proxy_and_left_to_itself_without_an_engine(tmp_path):
     """data_parallel_of (ls_fairseq/wrappers.py) finds either wrapper through fairseq's proxy.
     Under torch DDP the flat all-reduce leaves the gradients to DDP's hooks unless the CUDA-graph
-    engine keeps them (a registered FlatGradients): then the engine has already all-reduced them
-    at the end of the backward, and this only checks it did (and takes the mark off)."""
-    from ls_fairseq.graphs.flat_gradients import FlatGradients, register
+    engine keeps them (its update's GradientExchange): then the engine has already all-reduced
+    them at the end of the backward, and this only checks it did."""
+    from ls_fairseq.distributed import NOTHING, REDUCED, GradientExchange
+    from ls_fairseq.graphs import FlatGradients
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
                             world_size=1)
@@ -149,15 +152,13 @@ def test_torch_ddp_is_found_through_the_proxy_and_left_to_itself_without_an_engi
         with ddp.no_sync():
             assert not grad_sync_due(ddp)
         _flat_views(model, _grads(model, 0))
-        assert not flat_all_reduce.all_reduce_flat(wrapped)  # no engine: DDP's own hooks did it
+        assert not flat_all_reduce.all_reduce_flat(wrapped, None)  # no engine: DDP's hooks did
         grads = FlatGradients(p for p in model.parameters() if p.requires_grad)
-        register(model, grads)
         with pytest.raises(RuntimeError, match="did not all-reduce them"):
-            flat_all_reduce.all_reduce_flat(wrapped)
+            flat_all_reduce.all_reduce_flat(wrapped, GradientExchange(grads, NOTHING))
         with ddp.no_sync():  # an update's earlier micro-batches: nothing due
-            assert flat_all_reduce.all_reduce_flat(wrapped)
-        grads.all_reduced = True
-        assert flat_all_reduce.all_reduce_flat(wrapped) and not grads.all_reduced
+            assert flat_all_reduce.all_reduce_flat(wrapped, GradientExchange(grads, NOTHING))
+        assert flat_all_reduce.all_reduce_flat(wrapped, GradientExchange(grads, REDUCED))
         legacy = LegacyDistributedDataParallel(model, dist.group.WORLD)
         assert data_parallel_of(ModuleProxyWrapper(legacy)) is legacy
         assert not is_torch_ddp(legacy) and grad_sync_due(legacy) and world_size(legacy) == 1

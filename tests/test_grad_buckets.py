@@ -1,4 +1,4 @@
-"""The bucketed gradient all-reduce (ls_fairseq/graphs/grad_buckets.py) on the CPU.
+"""The bucketed gradient all-reduce (ls_fairseq/distributed/grad_buckets.py) on the CPU.
 
 The bucket plan must tile every flat buffer exactly (padding included), keep each parameter in one
 bucket and order the buckets from the end of the buffers (the backward's order). Reducing the
@@ -15,8 +15,10 @@ from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrappe
 
 from fairseq_helpers import run_workers
 
-from ls_fairseq.graphs import grad_buckets
-from ls_fairseq.graphs.flat_gradients import FlatGradients, register
+from ls_fairseq.distributed import (
+    REDUCED, GradientExchange, GradientReducer, exchange, exchange_of, grad_buckets,
+)
+from ls_fairseq.graphs.flat_gradients import FlatGradients
 from ls_fairseq.optim.ls_adam import FairseqLSAdam, LSAdamConfig
 
 WORLD = 2
@@ -75,24 +77,27 @@ def _worker(rank, dtype):
     params = list(model.parameters())
     spans, total = _layout([p.numel() for p in params])
     flat_grads = FlatGradients(params)  # the engine's accumulators (the same layout)
-    register(model, flat_grads)
     (flat,) = flat_grads.flats
     assert flat_grads.spans == spans and flat.numel() == total
     for p, gr, (_, off, n) in zip(params, grads, spans):
         p.grad = flat[off:off + n].view_as(p)
         p.grad.copy_(gr)
-    plan = grad_buckets.GradBuckets([flat], spans, bucket_bytes=150 * flat.element_size())
-    plan.issue([flat], [None] * len(plan.buckets), grad_buckets.legacy_reduce(WORLD, group))
-    flat_grads.all_reduced = True  # as the engine says once it has issued the buckets
+    # the engine's reducer, its buckets of 150 elements, NCCL's reduction (here gloo's)
+    reducer = GradientReducer(flat_grads, bucket_mb=150 * flat.element_size() / 2**20,
+                              reduce_bucket=grad_buckets.legacy_reduce(WORLD, group))
+    exchange.register(model, reducer)
+    reducer.expect(None, None)  # the update's last micro-batch
+    reducer.issue()  # the end of its backward
+    plan = reducer.buckets
     out = {"buckets": len(plan.buckets)}
     out["equal"] = all(torch.equal(p.grad, q.grad) for p, q in zip(params, ref.parameters()))
-    # the optimizer's all_reduce_grads takes the mark off and reduces nothing more
+    # the optimizer's all_reduce_grads takes the exchange and reduces nothing more
     wrapped = ModuleProxyWrapper(LegacyDistributedDataParallel(model, group))
     opt = FairseqLSAdam(LSAdamConfig(lr=[1e-3]), params)
     opt.all_reduce_grads(wrapped)
     out["not_reduced_twice"] = all(torch.equal(p.grad, q.grad)
                                    for p, q in zip(params, ref.parameters()))
-    out["mark_taken_off"] = not flat_grads.all_reduced
+    out["mark_taken_off"] = not exchange_of(wrapped).reduced
     return out
 
 
@@ -107,7 +112,7 @@ def test_bucketed_reduce_is_fairseq_legacy_all_reduce(tmp_path, dtype):
 def test_partly_marked_buffers_are_an_error():
     """Two flat buffers of which one was reduced during the backward: never a silent skip or a
     second reduction of the other."""
-    from ls_fairseq.graphs import flat_all_reduce
+    from ls_fairseq.distributed import flat_all_reduce
 
     class FakeLegacy(LegacyDistributedDataParallel):
         def __init__(self, module):
@@ -123,7 +128,7 @@ def test_partly_marked_buffers_are_an_error():
         off = offsets[p.dtype]
         p.grad = flat[off:off + p.numel()].view_as(p)
         offsets[p.dtype] = off + (p.numel() + 15) // 16 * 16
-    register(model, flat_grads)
-    flat_grads.all_reduced = True  # the float32 buffer's; the float64 one is not the engine's
+    # reduced: the float32 buffer, the engine's; the float64 one is not the engine's
+    reduced = GradientExchange(flat_grads, REDUCED)
     with pytest.raises(RuntimeError, match="all-reduced during the backward and others not"):
-        flat_all_reduce.all_reduce_flat(FakeLegacy(model))
+        flat_all_reduce.all_reduce_flat(FakeLegacy(model), reduced)

@@ -11,16 +11,25 @@ imports on the way are not edges (otherwise every module would form a cycle with
 Layers, lowest first (``ls_fairseq/ops/README.md`` for ops' own convention):
 
 * ``ops`` (the fused ops and their bindings) imports nothing from ``modules``, ``models``,
-  ``criterions``, ``optim`` or ``graphs``;
-* ``modules`` (the layers) imports nothing from ``models``, ``criterions`` or ``optim``;
-* ``graphs`` (CUDA graph capture; the package may not exist) imports nothing from
-  ``criterions``, ``optim`` or ``models``;
+  ``criterions``, ``optim``, ``graphs`` or ``distributed``;
+* ``modules`` (the layers) imports nothing from ``models``, ``criterions``, ``optim`` or
+  ``distributed``;
+* ``distributed`` (the gradient all-reduce, the copy-engine all-reduce, the sharded optimizer
+  step, async stats) sits on ``ops``: it imports nothing from ``graphs``, ``criterions``,
+  ``optim``, ``models``, ``modules``, ``generation``, ``data`` or ``fairseq_patches``;
+* ``graphs`` (CUDA graph capture and replay) may import ``distributed`` (the engine holds its
+  gradient reducer) and imports nothing from ``criterions``, ``optim`` or ``models``;
+* ``optim`` may import ``distributed`` and the ``graphs`` package's public names (its
+  ``__init__``), never a module inside ``graphs`` (``test_optim_uses_no_graphs_internals``);
 * ``generation`` (decoding) sits above ``models``: nothing below imports it, and it imports
   nothing from ``criterions``, ``optim`` or ``graphs``;
 * ``data`` (the order of an epoch's batches) sits beside ``graphs``' shape policy, whose
   ``shape_buckets`` it uses: it imports nothing from ``modules``, ``models``, ``criterions``,
   ``optim`` or ``generation``, and ``ops``, ``modules``, ``graphs`` and ``generation`` import
   nothing from it;
+* ``switches`` (the on/off modes and the refusal error) and ``training_config`` (a run's
+  ``--ls-*`` switches, read once) sit below every layer that has a switch: they import none of
+  them (``training_config`` imports ``switches`` only);
 * ``fairseq_patches`` (every change to fairseq's classes) is the top: no layer imports it, and
   only the package's ``__init__`` (which installs it) does.
 
@@ -35,15 +44,24 @@ PACKAGE = "ls_fairseq"
 
 #: layer -> the subpackages of ls_fairseq it must not import
 FORBIDDEN = {
-    "ops": ("modules", "models", "criterions", "optim", "graphs", "generation", "data",
-            "fairseq_patches"),
-    "modules": ("models", "criterions", "optim", "generation", "data", "fairseq_patches"),
+    "ops": ("modules", "models", "criterions", "optim", "graphs", "distributed", "generation",
+            "data", "fairseq_patches"),
+    "modules": ("models", "criterions", "optim", "distributed", "generation", "data",
+                "fairseq_patches"),
+    "distributed": ("graphs", "criterions", "optim", "models", "modules", "generation", "data",
+                    "fairseq_patches"),
     "models": ("generation", "fairseq_patches"),
     "criterions": ("fairseq_patches",),
     "optim": ("fairseq_patches",),
     "graphs": ("criterions", "optim", "models", "generation", "data", "fairseq_patches"),
-    "generation": ("criterions", "optim", "graphs", "data", "fairseq_patches"),
-    "data": ("modules", "models", "criterions", "optim", "generation", "fairseq_patches"),
+    "generation": ("criterions", "optim", "graphs", "distributed", "data", "fairseq_patches"),
+    "data": ("modules", "models", "criterions", "optim", "distributed", "generation",
+             "fairseq_patches"),
+    # a run's --ls-* switches: read by every layer that has a switch, so it imports none of them
+    "training_config": ("ops", "modules", "models", "criterions", "optim", "graphs",
+                        "distributed", "generation", "data", "fairseq_patches"),
+    "switches": ("ops", "modules", "models", "criterions", "optim", "graphs", "distributed",
+                 "generation", "data", "fairseq_patches", "training_config"),
 }
 #: the one module outside fairseq_patches that may import it: the package, which installs it
 PATCHES_IMPORTED_BY = (PACKAGE,)
@@ -220,6 +238,36 @@ def test_only_the_package_imports_the_fairseq_patches():
     assert importers == list(PATCHES_IMPORTED_BY), importers
 
 
+def optim_imports_of_graphs_internals(graph):
+    """(importer, imported, line) for every import by a module of ``optim`` of a module inside
+    ``graphs`` (the package itself, its public names, is allowed)."""
+    optim, graphs = f"{PACKAGE}.optim", f"{PACKAGE}.graphs"
+    return [(m, t, line) for m, targets in sorted(graph.items())
+            if m == optim or m.startswith(optim + ".")
+            for t, line in sorted(targets.items()) if t.startswith(graphs + ".")]
+
+
+def test_optim_uses_no_graphs_internals():
+    """The optimizer learns what the engine did from ``distributed`` (the update's
+    ``GradientExchange``), not from the engine's modules."""
+    bad = optim_imports_of_graphs_internals(import_graph())
+    assert not bad, "optim importing graphs internals:\n" + "\n".join(
+        f"  {a} imports {b} (line {line})" for a, b, line in bad)
+
+
+def test_optim_rule_sees_a_graphs_internal(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for sub in ("optim", "graphs"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "graphs" / "replay.py").write_text("")
+    (pkg / "optim" / "a.py").write_text("from ..graphs import replay\nfrom .. import graphs\n")
+    graph = import_graph(str(tmp_path))
+    assert optim_imports_of_graphs_internals(graph) == [
+        (f"{PACKAGE}.optim.a", f"{PACKAGE}.graphs.replay", 1)]
+
+
 def test_bindings_never_import_their_public_module():
     """``ops/_<op>_cuda.py`` binds the CUDA op; the public ``ops/<op>.py`` dispatches to it and
     owns the fallback, so the arrow goes one way only (ls_fairseq/ops/README.md)."""
@@ -235,5 +283,5 @@ if __name__ == "__main__":
     g = import_graph()
     for comp in cycles(g):
         print(_describe_cycle(g, comp))
-    for a, b, line in upward_arrows(g):
+    for a, b, line in upward_arrows(g) + optim_imports_of_graphs_internals(g):
         print(f"upward: {a} imports {b} (line {line})")

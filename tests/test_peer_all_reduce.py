@@ -1,4 +1,5 @@
-"""The copy-engine all-reduce's plan and protocol (ls_fairseq/graphs/peer_all_reduce.py) on the CPU.
+"""The copy-engine all-reduce's plan and protocol (ls_fairseq/distributed/peer_all_reduce.py) on
+the CPU.
 
 Several ranks are simulated in one process: each rank's "peer memory" is the other ranks' tensors
 themselves, and the phases run for every rank before the next phase starts (what the barriers
@@ -14,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from ls_fairseq import switches
-from ls_fairseq.graphs import peer_all_reduce
-from ls_fairseq.graphs.flat_gradients import ALIGN, FlatGradients
-from ls_fairseq.graphs.grad_buckets import GradBuckets
-from ls_fairseq.graphs.peer_all_reduce import PeerAllReduce, ShardPlan
+from ls_fairseq.distributed import peer_all_reduce
+from ls_fairseq.distributed.grad_buckets import GradBuckets
+from ls_fairseq.distributed.peer_all_reduce import PeerAllReduce
+from ls_fairseq.distributed.shard_plan import ALIGN, ShardPlan
+from ls_fairseq.graphs.flat_gradients import FlatGradients
 
 
 def _model_params(dtype16=torch.float16):
@@ -141,29 +143,29 @@ def test_cpu_gradients_keep_nccl_path_without_exchange(gloo_world_of_one):
 
 
 def test_engine_steps_aside_or_refuses(gloo_world_of_one, caplog):
-    """The engine's decision (replay.CudaGraphedLoss._peer_reduce): AUTO steps aside with one
-    line, ON refuses naming the flag, OFF asks nothing."""
+    """The engine's decision (its reducer's ``copy_engine_reduce``, made at the first update):
+    AUTO steps aside with one line, ON refuses naming the flag, OFF asks nothing."""
+    from ls_fairseq.distributed import GradientReducer
     from ls_fairseq.graphs.replay import CudaGraphedLoss
 
-    class _DDP:
-        process_group = gloo_world_of_one
-
-    def engine(mode):
+    def reducer(mode):
         e = CudaGraphedLoss(copy_engine=mode)
         model = torch.nn.Linear(3, 5)
         e._setup(model)
-        return e
+        assert isinstance(e.reducer, GradientReducer) and e.reducer.copy_engine == mode
+        return e.reducer
 
+    group = gloo_world_of_one
     with caplog.at_level(logging.INFO):
-        e = engine(switches.AUTO)
-        assert e._peer_reduce(_DDP()) is None and e._peer_reduce(_DDP()) is None
+        r = reducer(switches.AUTO)
+        assert r.copy_engine_reduce(group) is None and r.copy_engine_reduce(group) is None
     lines = [r.getMessage() for r in caplog.records if "copy-engine-all-reduce" in r.getMessage()]
     assert lines == ["ls-copy-engine-all-reduce is off for this run: the gradients are not on a "
                      "CUDA device"]
     with pytest.raises(ValueError, match="--ls-copy-engine-all-reduce: the gradients are not"):
-        engine(switches.ON)._peer_reduce(_DDP())
-    e = engine(switches.OFF)
-    assert e._peer_reduce(_DDP()) is None and e._peer is False
+        reducer(switches.ON).copy_engine_reduce(group)
+    r = reducer(switches.OFF)
+    assert r.copy_engine_reduce(group) is None and r.peer is None
 
 
 def test_exported_fields_read_back():

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ls_fairseq.graphs import peer_all_reduce
+from ls_fairseq.distributed import peer_all_reduce
+from ls_fairseq.distributed.grad_buckets import GradBuckets
 from ls_fairseq.graphs.flat_gradients import FlatGradients
-from ls_fairseq.graphs.grad_buckets import GradBuckets
 from ls_fairseq.ops import peer_barrier
 
 

@@ -1,5 +1,6 @@
-"""The sharded optimizer step (ls_fairseq/graphs/sharded_step.py, driven by ls_adam's
-LSFusedFP16Optimizer) on the CPU, against the whole step of the same optimizer.
+"""The sharded optimizer step (ls_fairseq/distributed/sharded_step.py, driven by ls_adam's
+LSFusedFP16Optimizer from the engine's GradientExchange) on the CPU, against the whole step of
+the same optimizer.
 
 Several ranks are simulated in one process, each in its own thread: a rank's "peer memory" is
 the other ranks' tensors themselves, the barriers are thread barriers and the one-element and
@@ -26,11 +27,13 @@ from fairseq.optim.fp16_optimizer import FP16Optimizer
 
 from fairseq_helpers import fp16_optimizer_cfg
 from ls_fairseq import switches
-from ls_fairseq.graphs import sharded_step
-from ls_fairseq.graphs.flat_gradients import FlatGradients, register
-from ls_fairseq.graphs.grad_buckets import GradBuckets
-from ls_fairseq.graphs.peer_all_reduce import PeerAllReduce, ShardPlan
-from ls_fairseq.graphs.sharded_step import ShardedStep, rehome
+from ls_fairseq.distributed import GradientReducer, sharded_step
+from ls_fairseq.distributed.exchange import register
+from ls_fairseq.distributed.grad_buckets import GradBuckets
+from ls_fairseq.distributed.peer_all_reduce import PeerAllReduce
+from ls_fairseq.distributed.shard_plan import ShardPlan
+from ls_fairseq.distributed.sharded_step import ShardedStep, rehome
+from ls_fairseq.graphs.flat_gradients import FlatGradients
 from ls_fairseq.optim.ls_adam import LSFusedFP16Optimizer
 
 SHAPES = [(37, 11), (1,), (513,), (64, 3), (5, 5, 5), (1000,), (3,), (129, 2)]
@@ -87,27 +90,28 @@ def _init_params(seed=0):
 
 
 class _Rank:
-    """One simulated rank: its model (a module of fp16 parameters), flat gradients and
-    LSFusedFP16Optimizer (flat fp32 master)."""
+    """One simulated rank: its model (a module of fp16 parameters), flat gradients, the engine's
+    gradient reducer (buckets of ``bucket_bytes``) and LSFusedFP16Optimizer (flat fp32 master)."""
 
-    def __init__(self, init, flags):
+    def __init__(self, init, flags, bucket_bytes=300):
         self.params = [torch.nn.Parameter(t.clone()) for t in init]
         self.module = torch.nn.ParameterList(self.params)
         self.grads = FlatGradients(self.params)
-        register(self.module, self.grads)
+        self.reducer = GradientReducer(self.grads, bucket_mb=bucket_bytes / 2**20)
+        register(self.module, self.reducer)
         cfg = fp16_optimizer_cfg("ls_adam", flags)
         # fairseq builds the flat fp32 master "on" torch.cuda.current_device() (a dict key); the
         # tensor itself is made like the parameters, here on the CPU
         with unittest.mock.patch.object(torch.cuda, "current_device", lambda: 0):
             self.opt = FP16Optimizer.build_optimizer(cfg, self.params)
-        assert isinstance(self.opt, LSFusedFP16Optimizer) and torch.is_tensor(self.opt._master)
+        assert isinstance(self.opt, LSFusedFP16Optimizer) and torch.is_tensor(self.opt.master)
 
 
 def _ranks(world, bucket_bytes, flags, monkeypatch):
     init = _init_params()
-    ranks = [_Rank(init, flags) for _ in range(world)]
+    ranks = [_Rank(init, flags, bucket_bytes) for _ in range(world)]
     coll = _Collective(world)
-    buckets = GradBuckets(ranks[0].grads.flats, ranks[0].grads.spans, bucket_bytes)
+    buckets = ranks[0].reducer.buckets
     plan = ShardPlan(buckets.buckets, [f.numel() for f in ranks[0].grads.flats], world)
     staging = [[torch.zeros(max(plan.staging_numel(r, f), 1), dtype=flat.dtype)
                 for f, flat in enumerate(ranks[r].grads.flats)] for r in range(world)]
@@ -120,7 +124,7 @@ def _ranks(world, bucket_bytes, flags, monkeypatch):
         rank.peer = PeerAllReduce(plan, r, rank.grads.flats, staging[r],
                                   {q: ranks[q].grads.flats for q in range(world) if q != r},
                                   {q: staging[q] for q in range(world) if q != r}, barrier)
-        rank.grads.peer_reduce = rank.peer  # what the engine does once it chose copy engines
+        rank.reducer.use_copy_engines(rank.peer)  # what every rank decides at the first update
     # sharded_step.create's buffer exchange (CUDA IPC) done by hand: every rank's weights moved
     # into flat buffers, every rank reaching the others'
     param_flats = [rehome(rank.grads) for rank in ranks]
@@ -140,17 +144,16 @@ def _local_grads(rank_index, step, overflow):
     return grads
 
 
-def _update(rank, r, step, buckets, clip, overflow_at, norms):
+def _update(rank, r, step, clip, overflow_at, norms):
     """One rank's update as fairseq's trainer and the engine run it."""
     rank.opt.zero_grad()
     rank.grads.bind(True)
+    rank.reducer.start_update()
     for p, g in zip(rank.params, _local_grads(r, step, step in overflow_at and r == 1)):
         p.grad.copy_(g)
-    for f, lo, hi in buckets.buckets:  # the engine's all-reduce, bucket by bucket
-        rank.peer(rank.grads.flats[f][lo:hi])
-    rank.peer.finish()
-    rank.grads.all_reduced = True
-    rank.grads.scattered = rank.peer.scatter_only
+    # the engine's all-reduce, bucket by bucket, at the end of the last micro-batch's backward
+    rank.reducer.expect(None, None)
+    rank.reducer.issue()
     rank.opt.all_reduce_grads(rank.module)
     try:
         norms[r] = rank.opt.clip_grad_norm(clip)
@@ -194,16 +197,16 @@ def _plain(norm):
 def test_sharded_step_equals_the_whole_step(world, bucket_bytes, clip, deferred, monkeypatch):
     flags = ["--clip-norm", str(clip)]
     flags += [] if deferred else ["--ls-no-deferred-overflow-check"]
-    ranks, buckets, _ = _ranks(world, bucket_bytes, flags, monkeypatch)
+    ranks, _, _ = _ranks(world, bucket_bytes, flags, monkeypatch)
     ref = _Rank(_init_params(), flags)
     overflow_at = (3,)
     for step in range(6):
         norms = [None] * world
-        _in_threads(world, lambda r: _update(ranks[r], r, step, buckets, clip, overflow_at,
+        _in_threads(world, lambda r: _update(ranks[r], r, step, clip, overflow_at,
                                              norms))
         # the first update is whole (the engine drops phase 4 from the next one on)
         assert all(rank.peer.scatter_only for rank in ranks)
-        assert all(isinstance(rank.opt._sharding, ShardedStep) for rank in ranks)
+        assert all(isinstance(rank.opt.sharding, ShardedStep) for rank in ranks)
         ref_norm = _reference_update(ref, _summed(ranks), clip)
         got = [_plain(n) for n in norms]
         want = _plain(ref_norm)
@@ -238,9 +241,9 @@ def test_sharded_step_equals_the_whole_step(world, bucket_bytes, clip, deferred,
             else:
                 torch.testing.assert_close(s[key], w[key], rtol=1e-6, atol=1e-12)
         if clip == 0:
-            assert torch.equal(rank.opt._master, ref.opt._master)
+            assert torch.equal(rank.opt.master, ref.opt.master)
         else:
-            torch.testing.assert_close(rank.opt._master, ref.opt._master, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(rank.opt.master, ref.opt.master, rtol=1e-6, atol=1e-9)
 
 
 def test_a_whole_update_after_sharded_ones_consolidates_first(monkeypatch):
@@ -248,23 +251,23 @@ def test_a_whole_update_after_sharded_ones_consolidates_first(monkeypatch):
     sharded steps: the whole Adam step needs the whole master and moments, so the ranks
     consolidate them first; the result stays the reference's."""
     world = 3
-    ranks, buckets, _ = _ranks(world, 300, [], monkeypatch)
+    ranks, _, _ = _ranks(world, 300, [], monkeypatch)
     ref = _Rank(_init_params(), [])
     for step in range(4):
         norms = [None] * world
         if step == 2:
             for rank in ranks:
                 rank.peer.scatter_only = False  # this update: the whole all-reduce
-        _in_threads(world, lambda r: _update(ranks[r], r, step, buckets, 0.0, (), norms))
+        _in_threads(world, lambda r: _update(ranks[r], r, step, 0.0, (), norms))
         if step == 2:
-            assert not any(rank.opt._sharding.stale for rank in ranks)
+            assert not any(rank.opt.sharding.stale for rank in ranks)
             for rank in ranks:
-                rank.peer.scatter_only = True
+                rank.peer.scatter_only_from_next_update()
         _reference_update(ref, _summed(ranks), 0.0)
         for p, rp in zip(ranks[0].params, ref.params):
             assert torch.equal(p, rp)
     _in_threads(world, lambda r: ranks[r].opt.optimizer.consolidate_state_dict())
-    assert torch.equal(ranks[1].opt._master, ref.opt._master)
+    assert torch.equal(ranks[1].opt.master, ref.opt.master)
 
 
 @pytest.mark.parametrize("world", (2, 3, 5))
@@ -314,9 +317,18 @@ def test_consolidate_rejects_a_tensor_of_another_layout():
         step.consolidate(params, [torch.zeros(5)])
 
 
+def _reduced_by_nccl(rank):
+    """The engine's all-reduce of this update ran, by NCCL (a stand-in that reduces nothing:
+    one rank)."""
+    rank.grads.bind(True)
+    rank.reducer.expect(None, None)
+    rank.reducer.issue()
+
+
 def _one_rank_opt(flags):
     rank = _Rank(_init_params(), flags)
-    rank.grads.all_reduced = True  # the engine's all-reduce ran (by NCCL: no peer_reduce)
+    rank.reducer.reduce_bucket = lambda bucket: None
+    _reduced_by_nccl(rank)
     return rank
 
 
@@ -324,13 +336,13 @@ def test_steps_aside_with_one_line_where_the_gradients_travel_by_nccl(caplog):
     rank = _one_rank_opt([])
     with caplog.at_level(logging.INFO, logger="ls_fairseq.optim.ls_adam"):
         rank.opt.all_reduce_grads(rank.module)
-        rank.grads.all_reduced = True
+        _reduced_by_nccl(rank)
         rank.opt.all_reduce_grads(rank.module)
     lines = [r.getMessage() for r in caplog.records if "sharded-optimizer-step" in r.getMessage()]
     assert lines == ["ls-sharded-optimizer-step is off for this run: it needs the copy-engine "
                      "all-reduce (GPUs of one host with peer access; "
                      "--ls-copy-engine-all-reduce)"]
-    assert rank.opt._sharding is False
+    assert rank.opt.sharding is False
 
 
 def test_required_is_refused_where_it_cannot_apply():
@@ -340,21 +352,21 @@ def test_required_is_refused_where_it_cannot_apply():
 
 
 def test_off_with_the_no_flag(monkeypatch):
-    ranks, buckets, _ = _ranks(2, 300, ["--ls-no-sharded-optimizer-step"], monkeypatch)
+    ranks, _, _ = _ranks(2, 300, ["--ls-no-sharded-optimizer-step"], monkeypatch)
     assert ranks[0].opt.fp32_optimizer.sharded_step_mode == switches.OFF
     norms = [None, None]
-    _in_threads(2, lambda r: _update(ranks[r], r, 0, buckets, 0.0, (), norms))
-    assert all(rank.opt._sharding is False and not rank.peer.scatter_only for rank in ranks)
+    _in_threads(2, lambda r: _update(ranks[r], r, 0, 0.0, (), norms))
+    assert all(rank.opt.sharding is False and not rank.peer.scatter_only for rank in ranks)
 
 
 def test_steps_aside_for_criterion_parameters(monkeypatch, caplog):
     rank = _one_rank_opt([])
     extra = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
     rank.opt.fp16_params = rank.opt.fp16_params + [extra]  # an optimized tensor not the model's
-    rank.grads.peer_reduce = object()
+    rank.reducer.use_copy_engines(object())
     with caplog.at_level(logging.INFO, logger="ls_fairseq.optim.ls_adam"):
         rank.opt.all_reduce_grads(rank.module)
-    assert rank.opt._sharding is False
+    assert rank.opt.sharding is False
     assert any("criterion parameters" in r.getMessage() for r in caplog.records)
 
 
@@ -364,10 +376,10 @@ def test_no_consolidation_while_one_rank_handles_its_own_error(monkeypatch):
     (after the error itself is on the screen); a FloatingPointError (a non-finite grad norm,
     the same on every rank) still consolidates."""
     world = 2
-    ranks, buckets, _ = _ranks(world, 300, [], monkeypatch)
+    ranks, _, _ = _ranks(world, 300, [], monkeypatch)
     for step in range(2):
         norms = [None] * world
-        _in_threads(world, lambda r: _update(ranks[r], r, step, buckets, 0.0, (), norms))
+        _in_threads(world, lambda r: _update(ranks[r], r, step, 0.0, (), norms))
     try:
         raise KeyError("a rank's own error")
     except KeyError:
@@ -381,4 +393,4 @@ def test_no_consolidation_while_one_rank_handles_its_own_error(monkeypatch):
         except FloatingPointError:
             ranks[r].opt.optimizer.consolidate_state_dict()
     _in_threads(world, after_floating_point_error)
-    assert not any(rank.opt._sharding.stale for rank in ranks)
+    assert not any(rank.opt.sharding.stale for rank in ranks)

@@ -15,7 +15,7 @@ latter for the whole optimizer step. So under data parallelism the criterion log
 fairseq then gathers them with ``all_gather_list`` (pickled), and each rank receives plain Python
 numbers (a :class:`HostCopy` pickles as its value). ``all_gather_list`` itself still waits for the
 GPU (it stages the pickles through a CUDA buffer); async stats (on by default) gathers the same pickles
-over a CPU group instead (``ls_fairseq.distributed_stats``).
+over a CPU group instead (``distributed/async_stats.py``).
 """
 import torch
 

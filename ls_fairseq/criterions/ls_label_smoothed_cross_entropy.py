@@ -32,7 +32,7 @@ Losses, gradients and logged values are those of the unpadded batch.
 
 Async stats (several GPUs; on by default, ``--ls-no-async-stats`` off, ``--ls-async-stats``
 required) take fairseq's per-update exchanges between workers (the logged values, the grad-norm
-agreement check) off the GPU's critical path (``ls_fairseq.distributed_stats``).
+agreement check) off the GPU's critical path (``ls_fairseq.distributed.async_stats``).
 
 Training logging outputs carry ``ls_flops``, the batch's model FLOPs (``ls_fairseq.flops``), and
 ``reduce_metrics`` logs ``tflops`` and ``mfu`` from them beside fairseq's ``wps``.
@@ -52,10 +52,10 @@ from fairseq.logging import metrics
 
 from .. import ops, switches, training_config
 from ..workers import several_workers
+from ..distributed import peer_all_reduce
 from ..flops import TransformerFlops, device_peak_tflops
 from ..graphs import (
-    CAPTURE_CHOICES, MEMORY_CHOICES, CudaGraphedLoss, captures_first_sighting, peer_all_reduce,
-    shape_buckets,
+    CAPTURE_CHOICES, MEMORY_CHOICES, CudaGraphedLoss, captures_first_sighting, shape_buckets,
 )
 from ..ops.fused_output_cross_entropy import fused_output_cross_entropy
 from .host_scalars import for_logging, to_host
@@ -127,7 +127,7 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "parallelism): gather the logged values over a CPU (gloo) group and compare "
                   "the workers' grad norms one update late, so fairseq's train_step does not "
                   "wait for the GPU (wraps two fairseq Trainer methods; "
-                  "ls_fairseq/distributed_stats.py); with this flag a run where they cannot "
+                  "ls_fairseq/distributed/async_stats.py); with this flag a run where they cannot "
                   "apply is refused"},
     )
     ls_no_async_stats: bool = field(
@@ -166,8 +166,8 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
                   "--ls-cuda-graphs on several GPUs of one host): the GPUs write the gradient "
                   "buckets into each other's memory with their copy engines and each sums one "
                   "shard, instead of NCCL's kernels, which take SMs from the backward "
-                  "(ls_fairseq/graphs/peer_all_reduce.py); with this flag a run where it cannot "
-                  "apply is refused"},
+                  "(ls_fairseq/distributed/peer_all_reduce.py); with this flag a run where it "
+                  "cannot apply is refused"},
     )
     ls_no_copy_engine_all_reduce: bool = field(
         default=False,

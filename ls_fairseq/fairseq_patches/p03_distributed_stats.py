@@ -1,5 +1,6 @@
 """fairseq_patches, patch 3: ``Trainer._aggregate_logging_outputs`` and
-``Trainer._check_grad_norms`` (async stats, several GPUs): :mod:`ls_fairseq.distributed_stats`.
+``Trainer._check_grad_norms`` (async stats, several GPUs):
+:mod:`ls_fairseq.distributed.async_stats`.
 """
 import functools
 
@@ -9,7 +10,7 @@ NUMBER = 3
 def targets():
     from fairseq.trainer import Trainer
 
-    from .. import distributed_stats
+    from ..distributed import async_stats as distributed_stats
 
     def make_aggregate(original):
         @functools.wraps(original)

@@ -4,58 +4,29 @@ The engine (``replay.CudaGraphedLoss``) creates one ``FlatGradients`` for the mo
 its first graphable step. Each trainable parameter's ``.grad`` becomes a view of one buffer (its
 accumulator); captured backward graphs write into them and eager steps accumulate into them, so
 every training step leaves its gradients in the same buffers. The views start at multiples of
-``ALIGN`` elements; the padding between them stays zero.
+``ALIGN`` elements (``distributed.shard_plan``: the shards of the copy-engine all-reduce align
+with them); the padding between them stays zero.
 
-The optimizer side reaches the object through ``flat_gradients_of(module)`` (ls_adam's
-``all_reduce_grads``, by way of ``flat_all_reduce.all_reduce_flat``): whether this update's
-all-reduce was already issued during the backward (``all_reduced``, set by the engine after it
-queued the buckets of ``grad_buckets.GradBuckets``, taken off by ``all_reduce_flat``).
-
-Why a registry: fairseq hands the optimizer the trainer's model and nothing of the criterion, so
-the object is found from the model. ``_REGISTRY`` is a ``weakref.WeakKeyDictionary`` keyed by
-the innermost model (the one inside the trainer's wrappers): an entry lives exactly as long as
-its model, and the engine, which owns the object, registers it. It is the package's only
-process-wide state.
+This is the layout only: what happened to the gradients in an update (all-reduced during the
+backward, scattered to shards) is the engine's ``distributed.GradientReducer``'s record, handed to
+the optimizer as a ``distributed.GradientExchange`` (which carries this object as ``grads``).
 """
 import collections
-import weakref
 
 import torch
 
-from ..wrappers import innermost
+from ..distributed.shard_plan import ALIGN
 
-# Flat accumulator views start at multiples of this many elements (16 bytes for fp16), so the
-# vectorised optimizer and norm kernels see aligned gradients.
-ALIGN = 16
-
-_REGISTRY = weakref.WeakKeyDictionary()  # innermost model -> its FlatGradients
-
-
-def register(model, flat_gradients):
-    """``flat_gradients`` holds the gradients of ``model`` (or of the model inside its wrappers)."""
-    _REGISTRY[innermost(model)] = flat_gradients
-
-
-def flat_gradients_of(module):
-    """The ``FlatGradients`` registered for ``module`` (or for the model inside its wrappers:
-    ModuleProxyWrapper, legacy DDP), or None: no engine keeps this model's gradients flat."""
-    return _REGISTRY.get(innermost(module))
+__all__ = ["ALIGN", "FlatGradients"]
 
 
 class FlatGradients:
-    """The flat gradient buffers of a list of parameters, and this update's all-reduce state.
+    """The flat gradient buffers of a list of parameters.
 
     * ``params``: the parameters, in the order given;
     * ``flats``: one zeroed 1-D buffer per (dtype, device), in order of first appearance;
     * ``views``: per parameter, its accumulator, a view of its buffer shaped like it;
-    * ``spans``: per parameter, ``(index in flats, offset, numel)`` of its accumulator;
-    * ``all_reduced``: True once this update's all-reduce of every buffer has been issued during
-      the backward (the engine sets it, ``flat_all_reduce.all_reduce_flat`` and the start of the
-      next update take it off);
-    * ``peer_reduce``: the engine's copy-engine all-reduce (``peer_all_reduce.PeerAllReduce``)
-      once it has decided on it, else None; ``scattered``: this update's all-reduce left each
-      rank only its own summed shards (``scatter_only``: the sharded optimizer step follows,
-      ``sharded_step.py``; the optimizer takes the mark off).
+    * ``spans``: per parameter, ``(index in flats, offset, numel)`` of its accumulator.
     """
 
     def __init__(self, params):
@@ -76,9 +47,6 @@ class FlatGradients:
             self.flats.append(flat)
         self.views = [views[id(p)] for p in self.params]
         self.spans = [spans[id(p)] for p in self.params]
-        self.all_reduced = False
-        self.peer_reduce = None
-        self.scattered = False
 
     def holds(self, buffer) -> bool:
         """Whether ``buffer`` is one of the flat buffers."""
@@ -97,7 +65,7 @@ class FlatGradients:
         """Points each parameter's ``.grad`` that is None at its accumulator, zeroed (autograd
         then adds into it in place). Returns the (parameter, accumulator) pairs whose ``.grad``
         someone else allocated; those accumulators are zeroed too. ``fresh``: ``fresh()``, the
-        start of an update (the ``all_reduced`` mark is taken off). ``zero=False``: at the start
+        start of an update. ``zero=False``: at the start
         of an update the accumulators are left as they are (a backward graph that overwrites
         them follows)."""
         foreign = []
@@ -105,7 +73,6 @@ class FlatGradients:
             if zero:
                 for flat in self.flats:
                     flat.zero_()
-            self.all_reduced = False
             for p, acc in zip(self.params, self.views):
                 p.grad = acc
             return foreign

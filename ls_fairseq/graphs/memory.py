@@ -135,6 +135,11 @@ class GraphMemory:
 
     # -- the arena -------------------------------------------------------------------------------
 
+    @property
+    def arena_tried(self) -> bool:
+        """This pool's arena was attempted (``reserve`` ran before its first capture)."""
+        return self._arena_tried
+
     def reserve(self, shapes, stream: torch.cuda.Stream):
         """Before capturing a step of these input shapes on ``stream``: if the pool has no arena
         yet, allocate one of the expected need and free it into the pool."""

@@ -45,14 +45,15 @@ How (used by ``ls_label_smoothed_cross_entropy --ls-cuda-graphs``):
   (the same Philox stream an eager step would use).
 
 * Several GPUs: the captured backward adds the gradients into the accumulators bucket by
-  bucket (``grad_buckets.py``) and records an external CUDA event after each bucket. At the end
-  of the backward of an update's last micro-batch (replayed or eager) the buckets are all-reduced
-  on a side stream, each as soon as its event fires, so the all-reduce runs under the rest of the
-  backward; ls_adam's ``all_reduce_grads`` then finds the buffers done (``flat_all_reduce.py``).
-  The reduction is both wrappers' (divide by the world size, sum), in the gradients' dtype. On
-  GPUs of one host with peer access the buckets travel by copy engines instead of NCCL's kernels
-  (``peer_all_reduce.py``: the same average, summed in float32; decided with every rank at the
-  first update).
+  bucket (``distributed/grad_buckets.py``) and records an external CUDA event after each bucket.
+  At the end of the backward of an update's last micro-batch (replayed or eager) the engine's
+  ``distributed.GradientReducer`` all-reduces the buckets on a side stream, each as soon as its
+  event fires, so the all-reduce runs under the rest of the backward; ls_adam's
+  ``all_reduce_grads`` then takes the update's ``GradientExchange`` from it and finds the buffers
+  done (``distributed/flat_all_reduce.py``). The reduction is both wrappers' (divide by the world
+  size, sum), in the gradients' dtype. On GPUs of one host with peer access the buckets travel by
+  copy engines instead of NCCL's kernels (``distributed/peer_all_reduce.py``: the same average,
+  summed in float32; decided with every rank at the first update).
 
   - fairseq's ``--ddp-backend legacy_ddp``/``no_c10d``: ``--ls-all-reduce-bucket-mb 0`` leaves
     the whole all-reduce to ``all_reduce_grads`` instead.
@@ -72,15 +73,17 @@ import collections
 import contextlib
 import functools
 import logging
+import types
 import weakref
 
 import torch
 
 from .. import switches
-from ..wrappers import data_parallel_of, grad_sync_due, innermost, is_torch_ddp, world_size
-from . import grad_buckets, peer_all_reduce
+from ..distributed import GradientReducer
+from ..distributed.exchange import register
+from ..wrappers import data_parallel_of, grad_sync_due, innermost, is_torch_ddp
 from .capture_policy import CapturePolicy
-from .flat_gradients import FlatGradients, register
+from .flat_gradients import FlatGradients
 from .memory import MEMORY_CHOICES, GraphMemory
 
 logger = logging.getLogger(__name__)
@@ -101,15 +104,6 @@ class _Graphs:
         # the backward writes the gradients into the accumulators instead of adding them
         # (captured at the first micro-batch of an update: CudaGraphedLoss._grads)
         self.overwrites = overwrites
-
-
-class _PendingReduce:
-    """The gradient all-reduce due at the end of this backward (the update's last micro-batch)."""
-
-    def __init__(self, ddp, ready):
-        self.ddp = ddp
-        self.ready = ready  # per bucket an event, or None: wait for the whole backward
-        self.queued = False
 
 
 @contextlib.contextmanager
@@ -146,17 +140,17 @@ class _ReplayBackward(torch.autograd.Function):
 
 
 class _EagerBackward(torch.autograd.Function):
-    """Marks the start of an eager step's backward: the runner queues the gradient all-reduce
+    """Marks the start of an eager step's backward: the reducer queues the gradient all-reduce
     for the end of that autograd pass."""
 
     @staticmethod
-    def forward(ctx, runner, loss):
-        ctx.runner = runner
+    def forward(ctx, reducer, loss):
+        ctx.reducer = reducer
         return loss.clone()  # not a view: fairseq may scale the loss in place (loss *= 0)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.runner._queue_reduce()
+        ctx.reducer.queue()
         return None, grad
 
 
@@ -177,9 +171,8 @@ class CudaGraphedLoss:
                                    f"{', '.join(MEMORY_CHOICES)}, got {memory!r}")
         self.memory = memory
         self.required = required  # --ls-cuda-graphs given: where they cannot apply, refuse
-        # --ls-(no-)copy-engine-all-reduce: switches.AUTO / ON / OFF (peer_all_reduce.py)
+        # --ls-(no-)copy-engine-all-reduce: switches.AUTO / ON / OFF (the reducer's choice)
         self.copy_engine = copy_engine
-        self._peer = None  # the copy-engine all-reduce; False: NCCL's; None: not decided yet
         self.off_reason = None  # why the graphs stepped aside for this run (see applies)
         self.max_graphs = max_graphs
         self.bucket_mb = bucket_mb  # 0: no all-reduce during the backward
@@ -188,15 +181,17 @@ class CudaGraphedLoss:
         self._memory = None  # GraphMemory: the graphs' pool, created at the first capture
         self._stream = None
         self._model_ref = None
-        # the model's gradient accumulators (flat_gradients.FlatGradients), created by _setup
-        # and registered for the model (flat_gradients.flat_gradients_of finds them)
+        # the model's gradient accumulators (flat_gradients.FlatGradients) and their all-reduce
+        # (distributed.GradientReducer, registered for the model: distributed.exchange_of finds
+        # it), created by _setup
         self.flat_gradients = None
+        self._reducer = None
         self._aliases = None
         self._alias_ptrs = None
-        self._buckets = None  # grad_buckets.GradBuckets over the flat buffers
         self._on_alias_grad = None  # set while a backward is being captured
-        self._reduce = None  # the pending all-reduce of this update (_PendingReduce)
-        self.reduce_bucket = None  # bucket -> work; None: fairseq's legacy reduction (tests swap)
+        # bucket -> work, handed to the reducer at _setup; None: NCCL's or the copy engines'
+        # reduction (tests swap it)
+        self.reduce_bucket = None
         self._anchor = None
         self._pending = None  # weakref to the replayed loss whose backward has not run yet
         self._warned_cpu = False
@@ -207,6 +202,37 @@ class CudaGraphedLoss:
         self.stats = collections.Counter()  # eager / captured / replayed calls (for tests/logs)
 
     # -- public ------------------------------------------------------------------------------
+
+    # read-only views of the engine's state (for tests and logs; None before the first
+    # graphable step where noted)
+    @property
+    def reducer(self):
+        """The gradient all-reduce (``distributed.GradientReducer``) of the model's flat
+        gradients; None before the first graphable step."""
+        return self._reducer
+
+    @property
+    def captured(self):
+        """Read-only view of the graphs held: batch-shape key -> the captured forward/backward
+        pair (its ``overwrites``: the backward overwrites the accumulators instead of adding),
+        least recently used first."""
+        return types.MappingProxyType(self._graphs)
+
+    @property
+    def graph_memory(self):
+        """The graphs' memory pool (``memory.GraphMemory``); None before the first capture."""
+        return self._memory
+
+    @property
+    def capture_stream(self):
+        """The stream graphs are captured on; None before the first capture."""
+        return self._stream
+
+    @property
+    def accumulating(self) -> bool:
+        """An update of several micro-batches was seen: backward graphs add into the
+        accumulators (see ``_grads``)."""
+        return self._accumulating
 
     # the parts of flat_gradients the engine works with (None before _setup)
     @property
@@ -300,7 +326,7 @@ class CudaGraphedLoss:
             self._graphs.move_to_end(key)
             self._memory.graph_step()
         if sync is not None:
-            self._expect_reduce(sync, graphs.ready)
+            self._reducer.expect(sync, graphs.ready)
         return self._replay_forward(graphs, sample)
 
     # -- internals ---------------------------------------------------------------------------
@@ -341,14 +367,17 @@ class CudaGraphedLoss:
         same calls whether its step replayed or not."""
         self.stats["eager"] += 1
         self._eager_ran()
-        self.flat_gradients.bind(self.flat_gradients.fresh())
+        fresh = self.flat_gradients.fresh()
+        self.flat_gradients.bind(fresh)
+        if fresh:
+            self._reducer.start_update()
         out = compute(model, sample)
         if key is not None:
             self.policy.ran(*key)
         if sync_ddp is None:
             return out
-        self._expect_reduce(sync_ddp, None)
-        return (_EagerBackward.apply(self, out[0]),) + tuple(out[1:])
+        self._reducer.expect(sync_ddp, None)
+        return (_EagerBackward.apply(self._reducer, out[0]),) + tuple(out[1:])
 
     def _grow_lazy_state(self, model, sample, compute):
         """Instead of an eager first step of a shape larger than every step so far (first
@@ -375,73 +404,6 @@ class CudaGraphedLoss:
         if self._memory is not None:  # its activations' memory is now cached outside the graphs
             self._memory.eager_ran()
 
-    # -- the gradient all-reduce under legacy DDP (grad_buckets.py) -------------------------
-
-    def _expect_reduce(self, ddp, ready):
-        """This forward's backward ends the update: all-reduce the gradients at its end."""
-        if self._reduce is not None and not self._reduce.queued:
-            # a second forward before the backward: both end in one autograd pass, and the
-            # replay's events do not cover the other's gradients, so wait for the whole pass
-            self._reduce.ready = None
-            return
-        self._reduce = _PendingReduce(ddp, ready)
-
-    def _queue_reduce(self):
-        """Called when the backward starts: the all-reduce runs when the autograd pass ends
-        (every gradient of the pass is then accumulated)."""
-        if self._reduce is not None and not self._reduce.queued:
-            self._reduce.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._all_reduce)
-
-    def _all_reduce(self):
-        pending, self._reduce = self._reduce, None
-        ddp, buckets = pending.ddp, self._buckets
-        if not self.flat_gradients.bound():
-            if is_torch_ddp(ddp):  # DDP's hooks are idle: nobody else reduces these
-                self._all_reduce_each(ddp)
-            return  # legacy DDP: a .grad someone else allocated; all_reduce_grads decides
-        reduce = (self.reduce_bucket or self._peer_reduce(ddp)
-                  or grad_buckets.legacy_reduce(world_size(ddp), ddp.process_group))
-        ready = pending.ready or [None] * len(buckets.buckets)
-        buckets.issue(self._flats, ready, reduce)
-        self.flat_gradients.all_reduced = True
-        self.flat_gradients.scattered = getattr(reduce, "scatter_only", False)
-        if not self.stats["overlapped_all_reduce"]:
-            logger.info(f"--ls-cuda-graphs: all-reducing gradients in {len(buckets.buckets)} "
-                        f"buckets (--ls-all-reduce-bucket-mb {self.bucket_mb:g}) as the backward "
-                        f"completes them")
-        self.stats["overlapped_all_reduce"] += 1
-
-    def _peer_reduce(self, ddp):
-        """The copy-engine all-reduce (``peer_all_reduce.py``), or None for NCCL's. Decided at
-        the first update, by every rank together (it exchanges the buffers' IPC handles)."""
-        if self._peer is None:
-            self._peer = False
-            if self.copy_engine != switches.OFF:
-                peer, reason = peer_all_reduce.create(self._flats, self._buckets.buckets,
-                                                      ddp.process_group)
-                if peer is None:
-                    switches.refuse_or_step_aside(self.copy_engine, peer_all_reduce.FLAG,
-                                                  reason, logger)
-                else:
-                    logger.info(f"{peer_all_reduce.FLAG[2:]}: the gradients travel between the "
-                                f"{peer.plan.world} GPUs by copy engines (peer memory), one sum "
-                                f"kernel per bucket shard; --ls-no-copy-engine-all-reduce for "
-                                f"NCCL's all-reduce")
-                    self._peer = peer
-                    self.flat_gradients.peer_reduce = peer  # for ls_adam's sharded step
-        return self._peer or None
-
-    def _all_reduce_each(self, ddp):
-        """Under torch DDP, gradients not all in the flat buffers (a ``.grad`` someone else
-        allocated): each parameter's, averaged as DDP would have done."""
-        n = world_size(ddp)
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.div_(n)
-                torch.distributed.all_reduce(p.grad, group=ddp.process_group)
-        self.flat_gradients.all_reduced = True
-
     def _start_accumulating(self):
         """Updates have several micro-batches (--update-freq): from now on backward graphs add
         into the accumulators; those that overwrite them are dropped (captured again when their
@@ -465,10 +427,9 @@ class CudaGraphedLoss:
             raise ValueError("--ls-cuda-graphs: one criterion trains one model")
         self._model_ref = weakref.ref(model)
         self.flat_gradients = FlatGradients(p for p in model.parameters() if p.requires_grad)
-        register(model, self.flat_gradients)
-        bucket_bytes = self.bucket_mb * 2**20 if self.bucket_mb > 0 else float("inf")
-        self._buckets = grad_buckets.GradBuckets(self._flats, self.flat_gradients.spans,
-                                                 bucket_bytes)
+        self._reducer = GradientReducer(self.flat_gradients, self.bucket_mb, self.copy_engine,
+                                        self.reduce_bucket, self.stats)
+        register(model, self._reducer)
         self._anchor = torch.zeros((), device=self._params[0].device, requires_grad=True)
 
     def _check_aliases(self):
@@ -521,7 +482,7 @@ class CudaGraphedLoss:
         the accumulators and those of parameters without a gradient zeroed, so the replay need
         not zero the flat buffers first nor read them (a copy instead of a zeroing pass and an
         add: one pass over the gradients less per update)."""
-        buckets = self._buckets
+        buckets = self._reducer.buckets
         left = list(buckets.sizes)
         pairs = [[] for _ in left]
         got = [False] * len(self._accumulators)
@@ -653,6 +614,8 @@ class CudaGraphedLoss:
         graphs.grad_output.copy_(grad.reshape(graphs.grad_output.shape))
         fresh = self.flat_gradients.fresh()
         foreign = self.flat_gradients.bind(fresh, zero=not graphs.overwrites)
+        if fresh:
+            self._reducer.start_update()
         if graphs.overwrites and not fresh:
             # a later micro-batch of an update: this graph would overwrite the earlier ones' sum
             earlier = [flat.clone() for flat in self._flats]
@@ -663,4 +626,4 @@ class CudaGraphedLoss:
             graphs.bwd.replay()
         for p, acc in foreign:
             p.grad.add_(acc)
-        self._queue_reduce()
+        self._reducer.queue()

@@ -59,7 +59,7 @@ ENV_VARS = {
     "LS_FAIRSEQ_DETERMINISTIC": _FLAG,  # ops/_embedding_cuda.py
     "LS_FAIRSEQ_VERBOSE_BUILD": _FLAG,  # the JIT build's compiler output
     "LS_FAIRSEQ_GENERATOR": ("graphs", "eager", "fairseq"),  # generation/generator.py
-    "LS_FAIRSEQ_PEER_BARRIER": ("nccl", "flags"),  # graphs/peer_all_reduce.py
+    "LS_FAIRSEQ_PEER_BARRIER": ("nccl", "flags"),  # distributed/peer_all_reduce.py
     "LS_FAIRSEQ_ANY_FAIRSEQ": _FLAG,  # fairseq_patches/_fairseq_version.py
     # read by setup.py (the install-time build); listed so that it may stay set at run time
     "LS_FAIRSEQ_BUILD_KERNELS": _FLAG,

@@ -1,5 +1,5 @@
 """A barrier between the GPUs of one host through peer memory, for the copy-engine all-reduce
-(``graphs/peer_all_reduce.py`` with ``LS_FAIRSEQ_PEER_BARRIER=flags``): one small kernel on the
+(``distributed/peer_all_reduce.py`` with ``LS_FAIRSEQ_PEER_BARRIER=flags``): one small kernel on the
 stream instead of a one-element NCCL all-reduce and its wait, so queuing it costs the host one
 launch.
 

@@ -1,5 +1,5 @@
 """Another process's GPU memory in this one (CUDA IPC), for the copy-engine all-reduce
-(``graphs/peer_all_reduce.py``).
+(``distributed/peer_all_reduce.py``).
 
 ``export(t)`` describes where ``t`` lives (a CPU tensor of bytes that can travel to other
 processes of the host); ``open_segments(exported)`` maps each distinct allocation named there into

@@ -1,4 +1,4 @@
-"""The reduction step of the copy-engine all-reduce (``graphs/peer_all_reduce.py``): one rank's
+"""The reduction step of the copy-engine all-reduce (``distributed/peer_all_reduce.py``): one rank's
 shard of a gradient bucket plus the same shard from every other rank, times ``scale`` (1 / world
 size), accumulated in float32 in the order given and rounded once, in place.
 

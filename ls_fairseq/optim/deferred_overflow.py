@@ -35,9 +35,9 @@ update (``--max-update``) ends the run one update short. With fairseq's dynamic 
 overflows are rare after the first updates.
 
 On several GPUs the option needs the criterion's async stats (on by default,
-``ls_fairseq.distributed_stats``): fairseq's own check that the workers' grad norms agree treats
-a non-finite norm as a disagreement and stops the run, and with this option the trainer does see
-the norm of an overflowing update.
+``ls_fairseq.distributed.async_stats``): fairseq's own check that the workers' grad norms agree
+treats a non-finite norm as a disagreement and stops the run, and with this option the trainer
+does see the norm of an overflowing update.
 """
 import logging
 import math
@@ -70,7 +70,7 @@ def guarded_factor(total_norm: torch.Tensor, multiply_factor, max_norm: float):
 def grad_norm_check_conflict(cfg):
     """Why the deferred check cannot run, or None: a run of several workers needs fairseq's
     grad-norm agreement check replaced (async stats of ``ls_label_smoothed_cross_entropy``, on by
-    default: ``ls_fairseq.distributed_stats``), which would otherwise stop it at the first
+    default: ``ls_fairseq.distributed.async_stats``), which would otherwise stop it at the first
     overflow. ``cfg`` is the trainer's whole config."""
     if not several_workers():
         return None

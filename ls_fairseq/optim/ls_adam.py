@@ -19,7 +19,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from .. import ops, switches
-from ..graphs import flat_all_reduce, flat_gradients_of, peer_all_reduce, sharded_step
+from ..distributed import exchange_of, flat_all_reduce, peer_all_reduce, sharded_step
 from . import deferred_overflow
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class LSAdamConfig(FairseqDataclass):
                   "several GPUs of one host with the copy-engine all-reduce, the fused fp16 copy "
                   "and a flat fp32 master): each GPU runs Adam on the gradient shards it sums "
                   "and sends the updated fp16 weights to the others; with this flag a run where "
-                  "it cannot apply is refused (ls_fairseq/graphs/sharded_step.py)"},
+                  "it cannot apply is refused (ls_fairseq/distributed/sharded_step.py)"},
     )
     ls_no_sharded_optimizer_step: bool = field(
         default=False, metadata={"help": "turn the sharded optimizer step off (every GPU gets "
@@ -121,15 +121,20 @@ class FairseqLSAdam(FairseqOptimizer):
             "weight_decay": self.cfg.weight_decay,
         }
 
-    def all_reduce_grads(self, module):
+    def all_reduce_grads(self, module, exchange=None):
         """Under ``--ddp-backend legacy_ddp``/``no_c10d`` with flat gradients (``--ls-cuda-graphs``
         replays): one in-place all-reduce per buffer instead of fairseq's copy loops
-        (:mod:`ls_fairseq.graphs.flat_all_reduce`), or none where the engine already issued it
-        during the backward (the model's ``graphs.flat_gradients_of(module).all_reduced``, also
-        under torch DDP, where the engine always does).
-        fairseq's FP16 wrappers call this method of their inner optimizer with the trainer's
-        model."""
-        if flat_all_reduce.all_reduce_flat(module):
+        (:mod:`ls_fairseq.distributed.flat_all_reduce`), or none where the engine already issued
+        it during the backward (the update's ``GradientExchange`` says ``reduced``; also under
+        torch DDP, where the engine always does).
+
+        ``exchange``: this update's ``distributed.GradientExchange``, as ``LSFusedFP16Optimizer``
+        passes it; fairseq's wrappers call this method with the trainer's model only, and the
+        exchange is then taken from the engine that keeps the model's gradients
+        (``distributed.exchange_of(module)``; None: no engine)."""
+        if exchange is None:
+            exchange = exchange_of(module)
+        if flat_all_reduce.all_reduce_flat(module, exchange):
             if not self._logged_flat_all_reduce:
                 self._logged_flat_all_reduce = True
                 logger.info("ls_adam: gradients are flat; all-reducing them in place "
@@ -148,15 +153,20 @@ class LSAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False)
         super().__init__(params, defaults)
         self.fp16_stats = fp16_stats
-        # set by LSFusedFP16Optimizer under the sharded step: makes the state whole on every rank
-        self.consolidate = None
+        self._consolidate = None  # makes the state whole on every rank (register_consolidate)
+
+    def register_consolidate(self, consolidate):
+        """``consolidate()`` makes the sharded state whole on every rank (collective): called by
+        ``consolidate_state_dict``. LSFusedFP16Optimizer registers it once the sharded optimizer
+        step is taken."""
+        self._consolidate = consolidate
 
     def consolidate_state_dict(self):
         """Called by fairseq's trainer on every rank before a checkpoint is saved
         (``Trainer.consolidate_optimizer``): under the sharded optimizer step the ranks sum
         their shards of the fp32 master and moments, so ``state_dict`` is the whole state."""
-        if self.consolidate is not None:
-            self.consolidate()
+        if self._consolidate is not None:
+            self._consolidate()
 
     @property
     def supports_memory_efficient_fp16(self):
@@ -277,7 +287,7 @@ class LSAdam(torch.optim.Optimizer):
         moments, and writes the new fp16/bf16 weights into the model, in one kernel launch (two
         with --fp16-adam-stats). State layout is exactly that of ``step`` on the fp32 master, so
         checkpoints are those of fairseq's FP16Optimizer + adam. ``shard``
-        (``graphs.sharded_step.ShardedStep``, flat master only): only this rank's shards are
+        (``distributed.sharded_step.ShardedStep``, flat master only): only this rank's shards are
         stepped. Returns the states whose step count it advanced. Without the CUDA kernels: the
         same math in PyTorch (no --fp16-adam-stats with a flat master there)."""
         if len(self.param_groups) != 1:
@@ -423,9 +433,9 @@ class LSFusedFP16Optimizer(FP16Optimizer):
 
     On several GPUs with the copy-engine all-reduce each GPU steps only the gradient shards it
     sums and sends the new fp16 weights to the others (``--ls-sharded-optimizer-step``,
-    :mod:`ls_fairseq.graphs.sharded_step`): decided in ``all_reduce_grads`` at the first update,
-    the grad norm from the shards in ``clip_grad_norm``, the whole state summed from the shards
-    in ``LSAdam.consolidate_state_dict`` before fairseq saves a checkpoint.
+    :mod:`ls_fairseq.distributed.sharded_step`): decided in ``all_reduce_grads`` at the first
+    update, the grad norm from the shards in ``clip_grad_norm``, the whole state summed from the
+    shards in ``LSAdam.consolidate_state_dict`` before fairseq saves a checkpoint.
     """
 
     def __init__(self, cfg, params, fp32_optimizer, fp32_params, **kwargs):
@@ -445,7 +455,7 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         self._deferred = defers_overflow_check(cfg)
         self._pending = None  # deferred_overflow.PendingOverflowCheck of the last step
         self._skipped_updates = 0  # booked overflows the trainer has not taken back yet
-        # the sharded step (graphs/sharded_step.py): None until decided at the first update
+        # the sharded step (distributed/sharded_step.py): None until decided at the first update
         # all-reduced during the backward, then a ShardedStep or False
         self._sharding = None
         self._shard = None  # the ShardedStep when this update's gradients came scattered
@@ -456,37 +466,57 @@ class LSFusedFP16Optimizer(FP16Optimizer):
         ``fairseq_patches``: fairseq-train's wps is then timed after a wait for the GPU)."""
         return self._deferred
 
+    # read-only views of the optimizer's state (for tests and tools)
+    @property
+    def master(self):
+        """fairseq's fp32 master: one flat tensor, or one tensor per parameter (``--bf16``,
+        ``--fp16-no-flatten-grads``)."""
+        return self._master
+
+    @property
+    def sharding(self):
+        """The sharded optimizer step of this run (``distributed.sharded_step.ShardedStep``),
+        False where it does not apply, None until decided (at the first update all-reduced
+        during the backward)."""
+        return self._sharding
+
+    @property
+    def pending_overflow_check(self):
+        """``--ls-deferred-overflow-check``: the last step's ``PendingOverflowCheck``, booked at
+        the next backward (None: nothing pending)."""
+        return self._pending
+
     def all_reduce_grads(self, module):
         """fairseq's all-reduce call (after the engine reduced the gradients during the
-        backward), and where the sharded optimizer step is decided and found."""
-        grads = flat_gradients_of(module)
-        issued = grads is not None and grads.all_reduced
-        super().all_reduce_grads(module)
+        backward), and where the sharded optimizer step is decided and found: the update's
+        ``GradientExchange`` is taken from the engine here, once, and passed on."""
+        exchange = exchange_of(module)
+        # FP16Optimizer.all_reduce_grads, with the exchange
+        self.fp32_optimizer.all_reduce_grads(module, exchange)
         self._shard = None
-        if grads is None:
+        if exchange is None:
             return
-        if self._sharding is None and issued:
-            self._sharding = self._start_sharding(grads)
-        scattered, grads.scattered = grads.scattered, False
-        if scattered:
+        if self._sharding is None and exchange.reduced:
+            self._sharding = self._start_sharding(exchange)
+        if exchange.scattered:
             self._shard = self._sharding
         elif self._sharding and self._sharding.stale:
             # a whole all-reduce after sharded steps (a step outside the engine's buckets):
             # the whole Adam step needs the whole master and moments
             self._consolidate()
 
-    def _start_sharding(self, grads):
+    def _start_sharding(self, exchange):
         """The ShardedStep of this run, or False; collective where the engine's all-reduce
         runs by copy engines (every rank decides alike: same flags, same engine decision)."""
         mode, flag = self.fp32_optimizer.sharded_step_mode, sharded_step.FLAG
         if mode == switches.OFF:
             return False
-        reason = self._sharding_conflict(grads)
+        reason = self._sharding_conflict(exchange.grads)
         if not reason:
-            shard, reason = sharded_step.create(grads, grads.peer_reduce)
+            shard, reason = sharded_step.create(exchange.grads, exchange.peer)
             if shard is not None:
-                grads.peer_reduce.scatter_only = True  # from the next update on
-                self.fp32_optimizer.optimizer.consolidate = self._consolidate
+                exchange.peer.scatter_only_from_next_update()
+                self.fp32_optimizer.optimizer.register_consolidate(self._consolidate)
                 logger.info(f"{flag[2:]}: each of the {shard.peer.plan.world} GPUs runs Adam "
                             f"on the gradient shards it sums and sends the new fp16 weights to "
                             f"the others; {flag.replace('--ls-', '--ls-no-')} for a whole step "

@@ -593,7 +593,7 @@ def test_deferred_overflow_check_never_waits_for_the_gpu():
     t = time.perf_counter()
     opt.backward(loss)  # books the last update: waits for its norm only
     host = time.perf_counter() - t
-    assert opt._pending is None
+    assert opt.pending_overflow_check is None
     assert host < 0.1, f"the bookkeeping waited for later GPU work ({host:.3f} s)"
     torch.cuda.synchronize()
 

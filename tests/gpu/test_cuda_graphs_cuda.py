@@ -209,7 +209,8 @@ def test_overwriting_backward_graphs(dictionary, dtype):
     a, b = (4, 9, 7), (6, 5, 12)
     updates = [[a], [a], [b], [b], [a], [b], [a, b], [a], [b, a]]
     for i, shapes in enumerate(updates):
-        for acc in graphed.graphs._accumulators or []:  # last update's gradients, made stale
+        flat = graphed.graphs.flat_gradients
+        for acc in flat.views if flat is not None else []:  # last update's gradients, stale
             acc.fill_(float("nan"))
         samples = [_sample(dictionary, s, 700 + 10 * i + k) for k, s in enumerate(shapes)]
         _, want = _step(eager, m1, samples, scale, seed=i)
@@ -219,7 +220,7 @@ def test_overwriting_backward_graphs(dictionary, dtype):
         for k in want:
             assert grad_err(k, got[k], want) <= tol, (i, shapes, k)
         if i == 5:  # a and b captured at updates of one micro-batch
-            assert all(g.overwrites for g in graphed.graphs._graphs.values())
+            assert all(g.overwrites for g in graphed.graphs.captured.values())
             assert graphed.graphs.stats["captured"] == 2
         with torch.no_grad():
             for p1, p2 in zip(m1.parameters(), m2.parameters()):
@@ -228,7 +229,7 @@ def test_overwriting_backward_graphs(dictionary, dtype):
                 p2.copy_(p1)
     stats = graphed.graphs.stats
     assert stats["dropped_overwriting"] == 2 and stats["captured"] == 4, dict(stats)
-    assert not any(g.overwrites for g in graphed.graphs._graphs.values())
+    assert not any(g.overwrites for g in graphed.graphs.captured.values())
 
 
 def test_replays_draw_new_dropout_masks(dictionary):
@@ -338,7 +339,7 @@ def test_least_recently_used_graphs_dropped(dictionary):
     model = build_model("ls_transformer", dictionary, SMALL + ["--dropout", "0"]).cuda().train()
     for shape in [(2, 5, 6), (2, 5, 6), (3, 5, 6), (3, 5, 6), (4, 5, 6), (4, 5, 6), (2, 5, 6)]:
         crit(model, _sample(dictionary, shape, 0))[0].backward()
-    assert len(crit.graphs._graphs) == 2
+    assert len(crit.graphs.captured) == 2
     assert crit.graphs.stats["captured"] == 4  # (2, 5, 6) was dropped, then captured again
 
 
@@ -374,8 +375,8 @@ def test_fairseq_train_same_losses(data_bin, tmp_path, more):
 def test_every_training_step_accumulates_into_the_flat_buffers(dictionary):
     """Eager steps (first sightings, a second forward before the first's backward) leave their
     gradients in the same flat buffers as replays, so with several GPUs each rank all-reduces the
-    same buffers whatever path its step took (graphs/flat_all_reduce.py)."""
-    from ls_fairseq.graphs.flat_all_reduce import flat_grad_buffers
+    same buffers whatever path its step took (distributed/flat_all_reduce.py)."""
+    from ls_fairseq.distributed.flat_all_reduce import flat_grad_buffers
 
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0)
     params = [p for p in m2.parameters() if p.requires_grad]
@@ -429,7 +430,7 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
     two micro-batches (no reduction inside no_sync) and a replay and an eager forward in one
     backward pass; then ls_adam's all_reduce_grads must find the buffers done (reduces nothing
     more). fp32, tolerance relative 1e-5 (graph vs eager rounding, as above)."""
-    from ls_fairseq.graphs import flat_all_reduce
+    from ls_fairseq.distributed import exchange_of, flat_all_reduce
 
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.02)
     wrapped = _FakeLegacyDDP.wrap(m2)
@@ -454,7 +455,8 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
             loss, _, _ = graphed(wrapped, sample)
             loss.backward()
         ddp.accumulate_grads = False
-        assert flat_all_reduce.all_reduce_flat(wrapped)  # finds the buffers done
+        # ls_adam's all_reduce_grads: the update's exchange says the buffers are done
+        assert flat_all_reduce.all_reduce_flat(wrapped, exchange_of(wrapped))
         for k, p in m2.named_parameters():
             assert _rel(p.grad, 3 * want[k]) <= 1e-5, (u, k, _rel(p.grad, 3 * want[k]))
     stats = graphed.graphs.stats
@@ -462,8 +464,8 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
     # under legacy DDP every backward graph adds into the accumulators (none overwrites them)
     assert "dropped_overwriting" not in stats
     assert stats["replayed"] >= 3 and stats["captured"] == 3
-    assert not any(g.overwrites for g in graphed.graphs._graphs.values())
-    buckets = graphed.graphs._buckets.buckets
+    assert not any(g.overwrites for g in graphed.graphs.captured.values())
+    buckets = graphed.graphs.reducer.buckets.buckets
     assert len(buckets) >= 4 and sum(reduced) == len(updates) * sum(h - lo for _, lo, h in buckets)
     # a replayed and an eager forward ending in one backward pass: wait for the whole pass
     for p in m2.parameters():
@@ -472,7 +474,7 @@ def test_bucketed_all_reduce_waits_for_each_bucket(dictionary):
     la, _, _ = graphed(wrapped, a)
     lb, _, _ = graphed(wrapped, b)
     (la + lb).backward()
-    assert flat_all_reduce.all_reduce_flat(wrapped)
+    assert flat_all_reduce.all_reduce_flat(wrapped, exchange_of(wrapped))
     for p in m1.parameters():
         p.grad = None
     (eager(m1, a)[0] + eager(m1, b)[0]).backward()
@@ -486,7 +488,7 @@ def _multi_gpu_worker(rank, wrapper, world):
     import torch.distributed as dist
     from fairseq.distributed import LegacyDistributedDataParallel, ModuleProxyWrapper
 
-    from ls_fairseq.graphs import flat_all_reduce
+    from ls_fairseq.distributed import exchange_of, flat_all_reduce
 
     dictionary = make_dictionary(203)
     eager, graphed, m1, m2 = _pair(dictionary, torch.float32, 0.0, ls_all_reduce_bucket_mb=0.05)
@@ -518,7 +520,7 @@ def _multi_gpu_worker(rank, wrapper, world):
             with contextlib.nullcontext() if last else wrapped.no_sync():
                 loss, _, _ = graphed(wrapped, batch(rank, i))
                 loss.backward()
-        assert flat_all_reduce.all_reduce_flat(wrapped)
+        assert flat_all_reduce.all_reduce_flat(wrapped, exchange_of(wrapped))
         for k, p in m2.named_parameters():
             worst = max(worst, _rel(p.grad, want[k]))
     # validation goes through the wrapper's own forward (no gradients)

@@ -59,7 +59,8 @@ def _worker(rank):
     import torch.distributed as dist
     from fairseq.trainer import Trainer
 
-    from ls_fairseq import distributed_stats, fairseq_patches
+    from ls_fairseq import fairseq_patches
+    from ls_fairseq.distributed import async_stats as distributed_stats
     from ls_fairseq.criterions.host_scalars import for_logging
 
     fairseq_patches.install()

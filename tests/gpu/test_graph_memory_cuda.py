@@ -68,8 +68,8 @@ def test_compact_replays_match_eager(dictionary, dtype, monkeypatch):
     # that come back are captured again
     assert dict(runner.stats) == {"dry_run": 1, "captured": 6, "replayed": 7,
                                   "dropped_overwriting": 3}
-    assert runner._memory.arena_bytes > 0
-    assert runner._memory.stats["released"] >= 1  # after the warm-up
+    assert runner.graph_memory.arena_bytes > 0
+    assert runner.graph_memory.stats["released"] >= 1  # after the warm-up
 
 
 def _held(dictionary, memory):
@@ -89,8 +89,8 @@ def _held(dictionary, memory):
     first = {"dry_run": 1} if memory == "compact" else {"eager": 1}
     captures = len(MEDIUM_SHAPES) - ("eager" in first)
     assert dict(runner.stats) == {**first, "captured": captures, "replayed": captures + 3}
-    held = (_segments(runner._memory.handle), _segments(stream=runner._stream),
-            runner._memory.arena_bytes)
+    held = (_segments(runner.graph_memory.handle), _segments(stream=runner.capture_stream),
+            runner.graph_memory.arena_bytes)
     del crit, runner, model, loss
     torch.cuda.empty_cache()
     return held
@@ -128,5 +128,5 @@ def test_no_arena_when_memory_is_short(dictionary, monkeypatch):
         loss, _, _ = crit(model, _sample(dictionary, shape, i))
         loss.backward()
     assert dict(crit.graphs.stats) == {"dry_run": 1, "captured": 2, "replayed": 3}
-    assert crit.graphs._memory.arena_bytes == 0
-    assert crit.graphs._memory._arena_tried
+    assert crit.graphs.graph_memory.arena_bytes == 0
+    assert crit.graphs.graph_memory.arena_tried

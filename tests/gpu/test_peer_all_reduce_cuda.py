@@ -1,5 +1,5 @@
-"""The copy-engine all-reduce (graphs/peer_all_reduce.py) on two GPUs: CUDA IPC, copies into peer
-memory, NCCL barriers, against NCCL's bucketed legacy all-reduce of the same buffers
+"""The copy-engine all-reduce (distributed/peer_all_reduce.py) on two GPUs: CUDA IPC, copies into
+peer memory, NCCL barriers, against NCCL's bucketed legacy all-reduce of the same buffers
 (grad_buckets.legacy_reduce, fairseq's sum of gradient / world size).
 
 On every GPU of the machine (3 or more), where NCCL's chain of roundings differs from the one
@@ -36,9 +36,9 @@ def _setup(shapes):
     None, {"reason", "buckets"})."""
     import torch.distributed as dist
 
-    from ls_fairseq.graphs import peer_all_reduce
+    from ls_fairseq.distributed import peer_all_reduce
+    from ls_fairseq.distributed.grad_buckets import GradBuckets
     from ls_fairseq.graphs.flat_gradients import FlatGradients
-    from ls_fairseq.graphs.grad_buckets import GradBuckets
 
     params = [torch.nn.Parameter(torch.zeros(s, device="cuda", dtype=torch.float16))
               for s in shapes]
@@ -53,7 +53,7 @@ def _worker(rank):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from ls_fairseq.graphs.grad_buckets import GradBuckets, legacy_reduce
+    from ls_fairseq.distributed.grad_buckets import GradBuckets, legacy_reduce
 
     torch.manual_seed(0)
     grads, buckets, peer, out = _setup([(1000, 37), (1,), (4099,), (512, 512), (3,)])

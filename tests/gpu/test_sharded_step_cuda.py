@@ -1,4 +1,4 @@
-"""The sharded optimizer step (graphs/sharded_step.py) on every GPU of the machine (2 or more):
+"""The sharded optimizer step (distributed/sharded_step.py) on every GPU of the machine (2 or more):
 CUDA IPC of the weights' flat buffers, the copy-engine reduce-scatter, NCCL's one-element and
 consolidating all-reduces, ls_adam's CUDA kernel on the pieces of each rank's shards, the weight
 pushes. The reference runs in the same processes on the same gradients: the same optimizer with
@@ -32,19 +32,21 @@ def _model(flags):
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
     from fairseq_helpers import fp16_optimizer_cfg
-    from ls_fairseq.graphs import peer_all_reduce
-    from ls_fairseq.graphs.flat_gradients import FlatGradients, register
-    from ls_fairseq.graphs.grad_buckets import GradBuckets
+    from ls_fairseq.distributed import GradientReducer, peer_all_reduce
+    from ls_fairseq.distributed.exchange import register
+    from ls_fairseq.graphs.flat_gradients import FlatGradients
 
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(s, device="cuda", generator=g) * 0.1).half())
               for s in SHAPES]
     m = types.SimpleNamespace(params=params, module=torch.nn.ParameterList(params))
     m.grads = FlatGradients(params)
-    register(m.module, m.grads)
-    m.buckets = GradBuckets(m.grads.flats, m.grads.spans, 100_000)
+    m.reducer = GradientReducer(m.grads, bucket_mb=100_000 / 2**20)  # the engine's, 100 kB buckets
+    register(m.module, m.reducer)
+    m.buckets = m.reducer.buckets
     m.peer, m.reason = peer_all_reduce.create(m.grads.flats, m.buckets.buckets, dist.group.WORLD)
-    m.grads.peer_reduce = m.peer  # what the engine does once it chose copy engines
+    if m.peer is not None:
+        m.reducer.use_copy_engines(m.peer)  # what the engine does once it chose copy engines
     m.opt = FP16Optimizer.build_optimizer(fp16_optimizer_cfg("ls_adam", flags), params)
     return m
 
@@ -58,9 +60,8 @@ def _update(m, rank, update):
         p.grad.copy_(torch.randn(p.shape, device="cuda", generator=g) * 0.05)
     if update == OVERFLOW_AT and rank == 1:
         m.params[2].grad.view(-1)[7] = float("inf")
-    m.buckets.issue(m.grads.flats, [None] * len(m.buckets.buckets), m.peer)
-    m.grads.all_reduced = True
-    m.grads.scattered = m.peer.scatter_only
+    m.reducer.expect(None, None)  # the engine's all-reduce at the end of the backward
+    m.reducer.issue()
     m.opt.all_reduce_grads(m.module)
     try:
         norm = m.opt.clip_grad_norm(0.0)
@@ -71,7 +72,7 @@ def _update(m, rank, update):
 
 
 def _worker(rank):
-    from ls_fairseq.graphs.sharded_step import ShardedStep
+    from ls_fairseq.distributed.sharded_step import ShardedStep
 
     ours = _model([])
     ref = _model(["--ls-no-sharded-optimizer-step"])
@@ -79,8 +80,8 @@ def _worker(rank):
     if ours.peer is None:
         return out
     out["norms"] = [(_update(ours, rank, u), _update(ref, rank, u)) for u in range(UPDATES)]
-    out["sharded"] = isinstance(ours.opt._sharding, ShardedStep) and ours.peer.scatter_only
-    out["whole"] = ref.opt._sharding is False and not ref.peer.scatter_only
+    out["sharded"] = isinstance(ours.opt.sharding, ShardedStep) and ours.peer.scatter_only
+    out["whole"] = ref.opt.sharding is False and not ref.peer.scatter_only
     ours.opt.optimizer.consolidate_state_dict()  # fairseq's trainer, before a checkpoint
     torch.cuda.synchronize()
     state, want = ours.opt.state_dict(), ref.opt.state_dict()
@@ -90,7 +91,7 @@ def _worker(rank):
     out["ref_weights"] = torch.cat([p.detach().view(-1) for p in ref.params]).cpu()
     for key in ("exp_avg", "exp_avg_sq"):
         out[key] = (s[key].cpu(), w[key].cpu())
-    out["master"] = (ours.opt._master.detach().cpu(), ref.opt._master.detach().cpu())
+    out["master"] = (ours.opt.master.detach().cpu(), ref.opt.master.detach().cpu())
     return out
 
 

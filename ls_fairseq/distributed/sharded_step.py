@@ -14,7 +14,9 @@ How (``ls_adam``'s ``LSFusedFP16Optimizer`` drives it; ``--ls-sharded-optimizer-
   buffers laid out like the gradient buffers (``FlatGradients``: same offsets, so a gradient shard
   and its weights are the same span), and every rank opens the others' buffers (CUDA IPC, as the
   copy-engine all-reduce does). That update still runs the full all-reduce and a full Adam step;
-  the engine drops phase 4 from the next update on (``PeerAllReduce.scatter_only``).
+  the engine drops phase 4 from the next update on (ls_adam calls
+  ``PeerAllReduce.scatter_only_from_next_update``; each later update's ``GradientExchange`` then
+  says ``scattered``).
 * Each later update: the grad norm is the square root of the sum over ranks (a one-element
   all-reduce) of each rank's sum of squares over its shards; Adam (``ls_adam``) runs on the pieces
   of the fp32 master, its moments, the gradients and the fp16 weights inside this rank's shards
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import peer_memory
-from .peer_all_reduce import _attempt, _everyone, _first_reason, _nbytes
+from .collective_setup import attempt, everyone, first_reason, nbytes
 
 FLAG = "--ls-sharded-optimizer-step"
 
@@ -165,7 +167,7 @@ def rehome(grads):
     """Moves every parameter of ``grads`` (``FlatGradients``) into flat buffers laid out like
     the gradient buffers (``p.data`` becomes a view; the parameter objects stay). Returns the
     buffers. Graphs captured before read the old storage; the engine re-captures
-    (``replay._check_aliases``)."""
+    (``graphs.replay.CudaGraphedLoss`` checks the parameters' storage before each step)."""
     flats = [torch.zeros_like(g) for g in grads.flats]
     for p, (f, off, n) in zip(grads.params, grads.spans):
         view = flats[f][off:off + n]
@@ -190,9 +192,9 @@ def create(grads, peer):
         flats = rehome(grads)
         return flats, [peer_memory.export(t) for t in flats]
 
-    shared, failed = _attempt(share, "sharing the weights' buffers failed")
-    everyone = _everyone({"reason": failed, "exported": shared and shared[1]}, group, world)
-    reason = _first_reason(everyone)
+    shared, failed = attempt(share, "sharing the weights' buffers failed")
+    gathered = everyone({"reason": failed, "exported": shared and shared[1]}, group, world)
+    reason = first_reason(gathered)
     if reason:  # the weights may have moved: harmless, they are the same values
         return None, reason
     param_flats = shared[0]
@@ -201,13 +203,13 @@ def create(grads, peer):
         out = {}
         for q in range(world):
             if q != rank:
-                views = peer_memory.open_segments(everyone[q]["exported"], device.index)
-                out[q] = [v[:_nbytes(t, t.numel())].view(t.dtype)
+                views = peer_memory.open_segments(gathered[q]["exported"], device.index)
+                out[q] = [v[:nbytes(t, t.numel())].view(t.dtype)
                           for v, t in zip(views, param_flats)]
         return out
 
-    peers, failed = _attempt(open_peers, "opening another rank's weights failed")
-    reason = _first_reason(_everyone({"reason": failed}, group, world))
+    peers, failed = attempt(open_peers, "opening another rank's weights failed")
+    reason = first_reason(everyone({"reason": failed}, group, world))
     if reason:
         return None, reason
 

@@ -1,7 +1,7 @@
 """Gradient all-reduce bucket by bucket, overlapped with the backward.
 
 Used by ``--ls-cuda-graphs`` on several GPUs (every DDP backend of fairseq), where all
-gradients live in flat per-dtype buffers (``flat_gradients.py``). Without overlap, each
+gradients live in flat per-dtype buffers (``graphs/flat_gradients.py``). Without overlap, each
 buffer is divided and all-reduced once the backward is over (``flat_all_reduce.py``), and the
 whole all-reduce adds to every update (docs/PERFORMANCE.md, "Several GPUs").
 
@@ -10,8 +10,9 @@ order in which the backward completes them, as torch DDP does). A CUDA event mar
 a bucket's gradients are complete; inside a captured backward graph it is an external event node,
 so every replay signals it. Once the backward is issued (the end of the autograd pass), the host
 queues every bucket's division and all-reduce on a side stream, each behind its event: the GPU runs
-them while the rest of the backward goes on. The engine (``replay.py``) then sets the
-``FlatGradients``' ``all_reduced``, so ls_adam's ``all_reduce_grads`` does not reduce them again.
+them while the rest of the backward goes on. The engine's ``reducer.GradientReducer`` schedules
+this and then hands ls_adam's ``all_reduce_grads`` a ``GradientExchange`` that says so
+(``exchange.py``), so the optimizer does not reduce them again.
 
 ``reduce`` is fairseq's legacy reduction by NCCL (``legacy_reduce``) or, on GPUs of one host,
 the copy-engine all-reduce (``peer_all_reduce.PeerAllReduce``), which has a ``finish`` step.

@@ -50,8 +50,8 @@ import torch.distributed as dist
 from fairseq import utils
 from fairseq.distributed import utils as distributed_utils
 
-from . import training_config
-from .host_copy import HostCopy
+from .. import training_config
+from ..host_copy import HostCopy
 
 logger = logging.getLogger(__name__)
 

@@ -16,21 +16,23 @@ elements per view; the graph runner keeps it zero). Otherwise fairseq's own meth
 All ranks must take the same path: fairseq's method all-reduces packed gradients (no padding, in
 chunks of its buffer size), so a rank on it and a rank on the flat path could pair NCCL calls of
 different sizes. With ``--ls-cuda-graphs`` every training step, replayed or eager, accumulates
-into the flat buffers (``flat_gradients.py``), so every rank takes the flat path.
+into the flat buffers (``graphs/flat_gradients.py``), so every rank takes the flat path.
 
 With ``--ls-cuda-graphs`` the buffers are normally all-reduced earlier, bucket by bucket during
-the backward (``grad_buckets.py``); the model's ``FlatGradients`` (``flat_gradients_of``) then
-say ``all_reduced``, and this method only takes that off. Otherwise (``--ls-all-reduce-bucket-mb
-0``, or gradients that are flat without an engine behind them) it does the whole reduction itself.
+the backward (``grad_buckets.py``, scheduled by the engine's ``reducer.GradientReducer``); the
+update's ``GradientExchange`` (``exchange.py``) then says ``reduced``, and this function reduces
+nothing. Otherwise (``--ls-all-reduce-bucket-mb 0``, or gradients that are flat without an engine
+behind them) it does the whole reduction itself.
 
 Under torch DDP (``--ddp-backend c10d``/``pytorch_ddp``) the engine runs the training steps inside
-DDP and always all-reduces the gradients itself at the end of the update's backward (``replay``'s
-module doc); this method then only checks that it did. Without an engine, DDP's own hooks did.
+DDP and always all-reduces the gradients itself at the end of the update's backward
+(``graphs/replay.py``'s module doc); this function then only checks that it did. Without an
+engine, DDP's own hooks did.
 """
 import torch
 
 from ..wrappers import data_parallel_of, grad_sync_due, is_torch_ddp, world_size
-from .flat_gradients import ALIGN, flat_gradients_of
+from .shard_plan import ALIGN
 
 # the engine's accumulators align each view to ALIGN (16) elements
 _MAX_PAD = ALIGN
@@ -62,25 +64,25 @@ def flat_grad_buffers(params):
     return buffers
 
 
-def all_reduce_flat(module):
+def all_reduce_flat(module, exchange):
     """fairseq's legacy all-reduce of the model's gradients (sum / world size), done in place on
     their flat buffers. True if done; False if the caller should use fairseq's own method (no
-    data-parallel wrapper, torch DDP without the engine, or the gradients are not flat)."""
+    data-parallel wrapper, torch DDP without the engine, or the gradients are not flat).
+    ``exchange``: this update's ``GradientExchange`` from the engine that keeps ``module``'s
+    gradients (``exchange.exchange_of``), or None where no engine keeps them."""
     ddp = data_parallel_of(module)
     if ddp is None:
         return False
     if is_torch_ddp(ddp):
-        return _engine_reduced(ddp)
+        return _engine_reduced(ddp, exchange)
     buffers = flat_grad_buffers([p for p in ddp.module.parameters() if p.requires_grad])
     if buffers is None:
         return False
     if not grad_sync_due(ddp):  # inside no_sync(): fairseq's method does nothing there either
         return True
-    grads = flat_gradients_of(ddp.module)
-    reduced = [grads is not None and grads.all_reduced and grads.holds(buf) for buf in buffers]
+    reduced = [exchange is not None and exchange.reduced and exchange.grads.holds(buf)
+               for buf in buffers]
     if all(reduced):  # during the backward (grad_buckets.py); no buffers: nothing to reduce
-        if reduced:
-            grads.all_reduced = False
         return True
     if any(reduced):
         raise RuntimeError("ls_fairseq: some flat gradient buffers were all-reduced during the "
@@ -91,17 +93,15 @@ def all_reduce_flat(module):
     return True
 
 
-def _engine_reduced(ddp):
+def _engine_reduced(ddp, exchange):
     """Under torch DDP: True if the engine keeps this model's gradients (it has all-reduced them
     at the end of the backward), False if DDP's own hooks did."""
-    grads = flat_gradients_of(ddp.module)
-    if grads is None:
+    if exchange is None:
         return False
     if not grad_sync_due(ddp):  # inside no_sync(): nothing is due yet
         return True
-    if not grads.all_reduced:
+    if not exchange.reduced:
         raise RuntimeError("ls_fairseq: under torch DDP the CUDA-graph engine keeps the gradients, "
                            "but it did not all-reduce them at the end of this update's backward; "
                            "train with --ls-no-cuda-graphs, and please report this")
-    grads.all_reduced = False
     return True

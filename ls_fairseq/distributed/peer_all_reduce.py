@@ -3,9 +3,9 @@
 NCCL's all-reduce runs as kernels that hold SMs for as long as the data takes to cross NVLink;
 during the backward those SMs are missing from the backward's own kernels (``docs/PERFORMANCE.md``,
 "Several GPUs"). Here the GPUs' copy engines move the data, and the only kernel is one sum per
-shard (``ops.shard_reduce``). Used by the CUDA-graph engine (``replay.py``) for each gradient
-bucket of ``grad_buckets.GradBuckets``, on the same side stream and at the same points as the NCCL
-buckets it replaces.
+shard (``ops.shard_reduce``). Used by the engine's ``reducer.GradientReducer`` (which chooses it
+over NCCL) for each gradient bucket of ``grad_buckets.GradBuckets``, on the same side stream and at
+the same points as the NCCL buckets it replaces. Where each shard lives: ``shard_plan.ShardPlan``.
 
 Each bucket (a span of a flat gradient buffer) is cut into ``world`` shards, shard ``k`` owned by
 rank ``k``. For bucket ``b``, on every rank ``r``, in stream order:
@@ -44,7 +44,8 @@ import torch.distributed as dist
 from .. import switches
 from ..ops import _extension, peer_barrier, peer_memory
 from ..ops.shard_reduce import shard_reduce_
-from .flat_gradients import ALIGN
+from .collective_setup import attempt, everyone, first_line, first_reason, nbytes
+from .shard_plan import ShardPlan
 
 FLAG = "--ls-copy-engine-all-reduce"
 #: the barrier between the phases: "nccl" (a one-element all-reduce, the default) or "flags"
@@ -52,47 +53,6 @@ FLAG = "--ls-copy-engine-all-reduce"
 BARRIER_ENV = "LS_FAIRSEQ_PEER_BARRIER"
 #: most GPUs: the shard sum kernel takes 15 received shards (csrc/shard_reduce.cu, kMaxParts)
 MAX_WORLD = 16
-
-
-class ShardPlan:
-    """Where every shard of every bucket lives, on every rank (the same on all of them).
-
-    ``buckets``: ``(flat index, lo, hi)`` per bucket, as ``GradBuckets.buckets``; ``numels``: the
-    flat buffers' sizes. ``shards[b][k]``: the ``(start, end)`` of bucket ``b``'s shard ``k`` in its
-    flat buffer (multiples of ``align`` elements, so every shard starts 16-byte aligned; the last
-    ones may be empty). Rank ``r``'s staging buffer for flat buffer ``f`` holds ``world - 1`` slots
-    of ``shard_numel[r][f]`` elements, one per other rank in rank order; ``offset[r][b]`` is where
-    bucket ``b``'s shard ``r`` sits inside a slot.
-    """
-
-    def __init__(self, buckets, numels, world: int, align: int = ALIGN):
-        self.buckets, self.world = list(buckets), world
-        self.shards = []
-        self.offset = [[0] * len(self.buckets) for _ in range(world)]
-        self.shard_numel = [[0] * len(numels) for _ in range(world)]
-        for b, (f, lo, hi) in enumerate(self.buckets):
-            step = -(-(hi - lo) // world)
-            step = -(-step // align) * align
-            cuts = [min(hi, lo + k * step) for k in range(world + 1)]
-            self.shards.append([(cuts[k], cuts[k + 1]) for k in range(world)])
-            for r in range(world):
-                self.offset[r][b] = self.shard_numel[r][f]
-                self.shard_numel[r][f] += cuts[r + 1] - cuts[r]
-
-    def slot(self, src: int, dst: int) -> int:
-        """The slot of ``dst``'s staging buffers that receives ``src``'s copies."""
-        return src if src < dst else src - 1
-
-    def staging_numel(self, rank: int, f: int) -> int:
-        return (self.world - 1) * self.shard_numel[rank][f]
-
-    def staged(self, src: int, dst: int, b: int):
-        """``(start, end)`` in ``dst``'s staging buffer (of bucket ``b``'s flat) of the copy of
-        ``dst``'s shard of bucket ``b`` that ``src`` pushes."""
-        f = self.buckets[b][0]
-        start = self.slot(src, dst) * self.shard_numel[dst][f] + self.offset[dst][b]
-        lo, hi = self.shards[b][dst]
-        return start, start + hi - lo
 
 
 class PeerAllReduce:
@@ -111,12 +71,19 @@ class PeerAllReduce:
         self.flats, self.staging = flats, staging
         self.peer_flats, self.peer_staging = peer_flats, peer_staging
         self.barrier = barrier
-        # phases 1-3 only: each rank keeps its own summed shards (sharded_step.py sets it)
+        # phases 1-3 only: each rank keeps its own summed shards (the sharded step follows:
+        # scatter_only_from_next_update)
         self.scatter_only = False
         # GradBuckets.issue hands over each bucket as the view flats[f][lo:hi]: found by address
         self._bucket_of = {(flats[f][lo:hi].data_ptr(), hi - lo): b
                            for b, (f, lo, hi) in enumerate(plan.buckets)}
         self._views = {}  # bucket -> its _BucketViews, made at its first use
+
+    def scatter_only_from_next_update(self):
+        """From the next bucket on, phases 1-3 only (no phase 4, no final barrier): each rank
+        keeps its own summed shards, for the sharded optimizer step (``sharded_step.py``; ls_adam
+        calls this once every rank has agreed to take it, after this update's all-reduce)."""
+        self.scatter_only = True
 
     # -- the four phases of one bucket ---------------------------------------------------------
 
@@ -281,19 +248,19 @@ def create(flats, buckets, group):
     flag_barrier = _extension.env_value(BARRIER_ENV) == "flags"
 
     # 1. each rank's own conditions, its host and its GPU
-    info, failed = _attempt(lambda: {
+    info, failed = attempt(lambda: {
         "reason": _local_check(flats, group) or _barrier_check(flag_barrier, flats[0]),
         "host": _host_id(), "uuid": str(torch.cuda.get_device_properties(device).uuid),
         "flags": flag_barrier})
-    infos = _everyone(info or {"reason": failed}, group, world)
-    reason = _first_reason(infos)
+    infos = everyone(info or {"reason": failed}, group, world)
+    reason = first_reason(infos)
     if not reason and len({i.get("flags", flag_barrier) for i in infos}) > 1:
         reason = f"the ranks do not all set {BARRIER_ENV} alike"  # their barriers would not pair
     # 2. every other rank's GPU reachable from this one
     if not reason:
-        found, failed = _attempt(lambda: _visible_peers(infos, rank, device))
+        found, failed = attempt(lambda: _visible_peers(infos, rank, device))
         reason = failed or found[1]
-    reason = _first_reason(_everyone({"reason": reason}, group, world))
+    reason = first_reason(everyone({"reason": reason}, group, world))
     if reason:
         return None, reason
     # 3. staging buffers, and the IPC handles of every buffer
@@ -309,12 +276,13 @@ def create(flats, buckets, group):
         try:
             return staging, [peer_memory.export(t) for t in list(flats) + staging + signals], ""
         except RuntimeError as exc:  # e.g. expandable segments: no IPC handles
-            return None, None, f"its buffers cannot be shared between processes ({_line(exc)})"
+            return None, None, (f"its buffers cannot be shared between processes "
+                                f"({first_line(exc)})")
 
-    shared, failed = _attempt(share)
+    shared, failed = attempt(share)
     staging, exported, reason = shared or (None, None, failed)
-    everyone = _everyone({"reason": reason, "exported": exported}, group, world)
-    reason = _first_reason(everyone)
+    gathered = everyone({"reason": reason, "exported": exported}, group, world)
+    reason = first_reason(gathered)
     if reason:
         return None, reason
 
@@ -325,17 +293,17 @@ def create(flats, buckets, group):
         for q in range(world):
             if q == rank:
                 continue
-            views = peer_memory.open_segments(everyone[q]["exported"], device)
+            views = peer_memory.open_segments(gathered[q]["exported"], device)
             sizes = ([f.numel() for f in flats] + [plan.staging_numel(q, f) for f in range(nf)]
                      + [world] * len(signals))
-            typed = [v[:_nbytes(t, n)].view(t.dtype)
+            typed = [v[:nbytes(t, n)].view(t.dtype)
                      for v, t, n in zip(views, list(flats) + staging + signals, sizes)]
             peer_flats[q], peer_staging[q] = typed[:nf], typed[nf:2 * nf]
             peer_signals[q] = typed[2 * nf:]
         return peer_flats, peer_staging, peer_signals
 
-    peers, failed = _attempt(open_peers, "opening another rank's memory failed")
-    reason = _first_reason(_everyone({"reason": failed}, group, world))
+    peers, failed = attempt(open_peers, "opening another rank's memory failed")
+    reason = first_reason(everyone({"reason": failed}, group, world))
     if reason:
         return None, reason
     if flag_barrier:
@@ -372,32 +340,3 @@ def _barrier_check(flag_barrier, t) -> str:
     if flag_barrier and not peer_barrier.available(t):
         return f"{BARRIER_ENV}=flags needs the ls_fairseq CUDA extension's peer_barrier_"
     return ""
-
-
-def _attempt(fn, what="this rank's check failed"):
-    """``(fn(), "")``, or ``(None, reason)`` when it raised: a local failure must still reach
-    the next collective, as this rank's reason."""
-    try:
-        return fn(), ""
-    except Exception as exc:  # noqa: BLE001
-        return None, f"{what} ({_line(exc)})"
-
-
-def _line(exc) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-def _everyone(value, group, world):
-    values = [None] * world
-    dist.all_gather_object(values, value, group=group)
-    return values
-
-
-def _first_reason(values) -> str:
-    """The first non-empty ``reason`` among the ranks' dicts."""
-    return next((v["reason"] for v in values if v["reason"]), "")
-
-
-def _nbytes(t, numel):
-    return max(numel, 1) * t.element_size()
