@@ -620,7 +620,7 @@ def _flat_fused_optimizer(monkeypatch):
     params = [torch.nn.Parameter(torch.randn(s, generator=g).half()) for s in [(7,), (33, 5)]]
     opt = FP16Optimizer.build_optimizer(
         fp16_optimizer_cfg("ls_adam", ["--fp16-scale-window", "3"]), params)
-    assert torch.is_tensor(opt._master) and opt._deferred
+    assert torch.is_tensor(opt.master) and opt.defers_host_reads
     return params, opt
 
 
@@ -639,9 +639,9 @@ def test_adam_shadow_accepts_ls_adam_and_catches_a_wrong_step(monkeypatch, plant
     def step(opt, closure=None, groups=None):
         out = original(opt, closure, groups)
         if planted == "master":
-            opt._master.data[3] += 1e-3
+            opt.master.data[3] += 1e-3
         elif planted == "step":
-            opt.fp32_optimizer.optimizer.state[opt._master]["step"] += 1
+            opt.fp32_optimizer.optimizer.state[opt.master]["step"] += 1
         return out
 
     params, opt = _flat_fused_optimizer(monkeypatch)

@@ -59,7 +59,7 @@ class Shadow:
 
         @torch.no_grad()
         def step(opt, closure=None, groups=None):
-            master = opt._master
+            master = opt.master
             adam = opt.fp32_optimizer.optimizer
             if not torch.is_tensor(master):
                 return original(opt, closure, groups)  # per-tensor masters: not checked here
