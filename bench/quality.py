@@ -28,8 +28,9 @@ Corpora and their recipes (``--corpus``):
 Verdict (``summarize``): "pass" when every mean is inside its band; a mean outside its band is
 tested against the seed-to-seed spread (``permutation_p``): p < ``ALPHA`` is "FAIL", else
 "within noise" (the call cannot tell; the table says what it could: ``detectable``); "too few
-seeds" below the recipe's n. ``--tables-from A,B`` pools calls; an exact repeat of a run (fairseq
-repeats bitwise on one GPU) counts once.
+seeds" below the recipe's n. Beside it: differences paired by seed (``paired_p``).
+``--tables-from A,B`` pools calls; an exact repeat of a run (fairseq repeats bitwise on one GPU)
+counts once.
 
 Every recipe option can be overridden (``--model``, ``--max-update``, ``--lr`` ...); shared:
 shared embeddings, adam (0.9, 0.98), inverse_sqrt, label smoothing 0.1, weight decay 1e-4,
@@ -444,6 +445,57 @@ def permutation_p(xs, ys, one_sided=False):
     return (hits + 1) / (PERMUTATIONS + 1)
 
 
+def by_seed(rows, variant, key):
+    """``[(variant's values, baseline's values)]`` of ``key``, one pair per seed both trained."""
+    def of(v, seed):
+        return [r[key] for r in rows if r["variant"] == v and r.get("seed") == seed
+                and "bleu" in r and r.get(key) is not None]
+
+    seeds = sorted({r.get("seed") for r in rows if r["variant"] == variant and "bleu" in r})
+    pairs = [(of(variant, seed), of("baseline", seed)) for seed in seeds]
+    return [(a, b) for a, b in pairs if a and b]
+
+
+def paired_p(pairs, one_sided=False):
+    """``(Δ, p)`` paired by seed: Δ is the mean over seeds of (variant's mean - baseline's mean)
+    at that seed; p the share of relabelings within each seed (the seed fixes the initial
+    weights and the batch order both sides share) whose Δ is at least as large. Exact up to
+    ``PERMUTATIONS`` relabelings, else that many random ones from a fixed seed. With one run a
+    side per seed there are 2^seeds relabelings: 5 seeds cannot go below p = 2/32 two-sided,
+    which is why this test stands beside the verdict, not in it."""
+    if not pairs:
+        return None, None
+
+    def delta(groups):
+        return sum(sum(a) / len(a) - sum(b) / len(b) for a, b in groups) / len(groups)
+
+    splits = []
+    for a, b in pairs:
+        pool = list(a) + list(b)
+        splits.append((pool, len(a)))
+
+    def relabel(choice):
+        out = []
+        for (pool, n), idx in zip(splits, choice):
+            chosen = set(idx)
+            out.append(([pool[i] for i in idx], [x for i, x in enumerate(pool) if i not in chosen]))
+        return out
+
+    observed, tol = delta(pairs), 1e-9
+    beyond = (lambda d: d >= observed - tol) if one_sided else \
+        (lambda d: abs(d) >= abs(observed) - tol)
+    total = math.prod(math.comb(len(pool), n) for pool, n in splits)
+    if total <= PERMUTATIONS:
+        choices = itertools.product(*(itertools.combinations(range(len(pool)), n)
+                                      for pool, n in splits))
+        return observed, sum(1 for c in choices if beyond(delta(relabel(c)))) / total
+    rng = random.Random(0)
+    hits = sum(1 for _ in range(PERMUTATIONS)
+               if beyond(delta(relabel([rng.sample(range(len(pool)), n)
+                                        for pool, n in splits]))))
+    return observed, (hits + 1) / (PERMUTATIONS + 1)
+
+
 def detectable(sd_a, n_a, sd_b, n_b):
     """The smallest true difference of means a call of these runs finds with 80% power at
     ``ALPHA`` (two-sided, normal approximation: 2.8 standard errors)."""
@@ -500,10 +552,9 @@ def summarize(rows, variants, recipe="real"):
             s["p"][name] = permutation_p(values(v, key), values("baseline", key), upwards)
             if not inside[name]:
                 s["outside"].append(name)
-        if s["clean_length_ratio"] is not None and base["clean_length_ratio"] is not None:
-            s["d_clean_length_ratio"] = s["clean_length_ratio"] - base["clean_length_ratio"]
-            s["p_clean_length"] = permutation_p(values(v, "clean_length_ratio"),
-                                                values("baseline", "clean_length_ratio"))
+        s["paired"] = {key: paired_p(by_seed(rows, v, key), key == "degenerate")
+                       for key in ("bleu", "length_ratio", "degenerate", "clean_length_ratio")}
+        s["paired_seeds"] = len(by_seed(rows, v, "bleu"))
         s["detectable_bleu"] = detectable(s["bleu_sd"], s["n"], base["bleu_sd"], base["n"])
         s["detectable_length"] = detectable(s["length_ratio_sd"], s["n"],
                                             base["length_ratio_sd"], base["n"])
@@ -617,17 +668,24 @@ def tables(rows, summary):
                          f"{sh['overflows']} | {w['master']:.1f} / {w['exp_avg']:.1f} / "
                          f"{w['exp_avg_sq']:.1f} | {b['master']} / {b['exp_avg']} / "
                          f"{b['exp_avg_sq']} | {b['fp16']} | {b['step']} | {b['untouched']} |")
-    clean = [(v, s) for v, s in summary.items() if s.get("clean_length_ratio") is not None]
-    if clean and any("d_clean_length_ratio" in s for _, s in clean):
-        lines += ["", "Beside the verdict: the length ratio over the hypotheses that are not "
-                  "degenerate (the loops taken out):", "",
-                  "| variant | n | length ratio, loops out | Δ | p |", "|---|---:|---|---:|---:|"]
-        for v, s in clean:
-            d = f"{s['d_clean_length_ratio']:+.3f}" if "d_clean_length_ratio" in s else ""
-            pc = f"{s['p_clean_length']:.2f}" if s.get("p_clean_length") is not None else ""
-            lines.append(f"| {v} | {s['n']} | "
-                         f"{fmt(s['clean_length_ratio'], s['clean_length_ratio_sd'], 3)} | "
-                         f"{d} | {pc} |")
+    paired = [(v, s) for v, s in summary.items() if s.get("paired_seeds")]
+    if paired:
+        def cell(s, key, digits):
+            d, p = s["paired"].get(key) or (None, None)
+            return "–" if d is None else f"{d:+.{digits}f} ({p:.2f})"
+
+        lines += ["", "Beside the verdict: Δ paired by seed (the mean over the seeds both sides "
+                  "trained of the variant's mean minus the baseline's at that seed; p from "
+                  "relabelings within each seed), and the length ratio over the hypotheses that "
+                  "are not degenerate (the loops taken out):", "",
+                  "| variant | seeds | paired Δ BLEU (p) | paired Δ length (p) | "
+                  "paired Δ degenerate (p) | length ratio, loops out | paired Δ (p) |",
+                  "|---|---:|---|---|---|---|---|"]
+        for v, s in paired:
+            lines.append(f"| {v} | {s['paired_seeds']} | {cell(s, 'bleu', 2)} | "
+                         f"{cell(s, 'length_ratio', 3)} | {cell(s, 'degenerate', 1)} | "
+                         f"{fmt(s.get('clean_length_ratio'), s.get('clean_length_ratio_sd'), 3)} "
+                         f"| {cell(s, 'clean_length_ratio', 3)} |")
     gaps = curve_gaps(rows, list(summary))
     if gaps:
         lines += ["", f"Training loss − baseline's, mean over the seeds at each logged update "

@@ -395,6 +395,28 @@ def test_permutation_p():
     assert 0 < many < 0.01
 
 
+def test_paired_by_seed():
+    """Δ paired by seed: per seed the variant's mean minus the baseline's, averaged over the
+    seeds both trained; p from every relabeling within each seed (2^3 with one run a side)."""
+    assert quality.paired_p([([2.0], [1.0]), ([3.0], [1.0]), ([4.0], [1.0])]) == \
+        (pytest.approx(2.0), pytest.approx(2 / 8))
+    assert quality.paired_p([([2.0], [1.0]), ([3.0], [1.0]), ([4.0], [1.0])], one_sided=True)[1] \
+        == pytest.approx(1 / 8)
+    assert quality.paired_p([]) == (None, None)
+    # a seed with two runs of the variant: their mean counts; C(3, 2) relabelings there
+    d, p = quality.paired_p([([1.0, 3.0], [1.0]), ([5.0], [4.0])])
+    assert d == pytest.approx(1.0) and 0 < p <= 1
+    rows = (_rows("baseline", [20.0, 21.0, 22.0], [1.0, 1.1, 1.2])
+            + _rows("ls", [21.0, 21.0, 23.0], [0.9, 1.0, 1.1])
+            + _rows("ls", [23.0], [1.3]))  # a second run of seed 1
+    pairs = quality.by_seed(rows, "ls", "bleu")
+    assert pairs == [([21.0, 23.0], [20.0]), ([21.0], [21.0]), ([23.0], [22.0])]
+    s = quality.summarize(rows, ["baseline", "ls"], "synthetic")["ls"]
+    assert s["paired_seeds"] == 3 and s["paired"]["bleu"][0] == pytest.approx((2 + 0 + 1) / 3)
+    assert "| ls | 3 | +1.00 (" in quality.tables(rows, {"baseline": quality.summarize(
+        rows, ["baseline", "ls"], "synthetic")["baseline"], "ls": s})
+
+
 def test_tables_from_several_calls_count_a_repeated_run_once(tmp_path, capsys):
     """fairseq's baseline repeats bitwise on one GPU: a second call's identical baseline rows
     are left out of the pooled table (said in one line); ls_ rows of the same seed that differ
