@@ -202,9 +202,12 @@ def train_in_process(argv, level=logging.INFO):
 
     handler, root = Collect(level), logging.getLogger()
     err = io.StringIO()
+    old_level = root.level
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
         mp.setattr(fairseq_train, "Trainer", Recorded)
-        mp.setattr(root, "level", min(root.level, level))
+        # setLevel, not the attribute: it also clears the loggers' cached isEnabledFor answers,
+        # which a logger that was asked before (under WARNING) would otherwise keep
+        root.setLevel(min(old_level, level))
         root.addHandler(handler)
         try:
             cfg = convert_namespace_to_omegaconf(
@@ -215,6 +218,7 @@ def train_in_process(argv, level=logging.INFO):
             code = exc.code
         finally:
             root.removeHandler(handler)
+            root.setLevel(old_level)
     return code, err.getvalue(), made, logged
 
 
