@@ -32,7 +32,7 @@ from .switches import AUTO, OFF, ON  # noqa: F401  (the modes of every switch)
 ATTRIBUTE = "_ls_training_config"
 #: the modes of the ``--ls-cuda-graphs-capture`` and ``--ls-cuda-graphs-memory`` defaults
 CAPTURE_DEFAULT, MEMORY_DEFAULT = "auto", "compact"
-#: the criterion's refusals that its config shares (checked in the criterion's order)
+#: two of the criterion's refusals (criterion_switches, which the criterion calls too)
 CHUNK_ZERO = "0: about 256 MiB of logits per chunk"
 COPY_ENGINE_WITHOUT_GRAPHS = ("--ls-copy-engine-all-reduce: it is part of the CUDA-graph engine; "
                               "drop --ls-no-cuda-graphs")
@@ -95,11 +95,12 @@ class TrainingConfig:
         self.run.stepped_aside.setdefault(switch, reason)
 
 
-def criterion_switches(c) -> dict:
+def criterion_switches(c, check_graphs=None) -> dict:
     """The :class:`TrainingConfig` fields of ``--criterion ls_label_smoothed_cross_entropy``'s
-    options ``c`` (``cfg.criterion``; empty for another criterion), refused as the criterion
-    refuses them when fairseq builds it (which also checks ``--ls-shape-buckets`` and its slack,
-    graphs' own rule, between the graphs' and the copy engine's switches)."""
+    options ``c`` (``cfg.criterion``, or the criterion's own arguments; empty for another
+    criterion), with its refusals. The criterion resolves its flags here too: ``check_graphs``
+    (its shape buckets, graphs' own rule) runs where graphs are on, between the graphs' and the
+    copy engine's switches."""
     if not hasattr(c, "ls_no_cuda_graphs"):
         return {}
     chunk = c.ls_fused_output_ce_chunk
@@ -107,6 +108,8 @@ def criterion_switches(c) -> dict:
     graphs = switches.resolve(c.ls_cuda_graphs, c.ls_no_cuda_graphs, "--ls-cuda-graphs")
     if graphs != OFF:
         switches.at_least("--ls-cuda-graphs-max", c.ls_cuda_graphs_max, 1)
+        if check_graphs is not None:
+            check_graphs()
     copy_engine = switches.resolve(c.ls_copy_engine_all_reduce, c.ls_no_copy_engine_all_reduce,
                                    "--ls-copy-engine-all-reduce")
     if copy_engine == ON and graphs == OFF:

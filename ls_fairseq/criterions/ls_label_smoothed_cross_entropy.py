@@ -39,6 +39,7 @@ Training logging outputs carry ``ls_flops``, the batch's model FLOPs (``ls_fairs
 """
 import functools
 import logging
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -224,35 +225,31 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_no_copy_engine_all_reduce=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
                          report_accuracy)
+        flags = types.SimpleNamespace(**{k: v for k, v in locals().items()
+                                         if k.startswith("ls_")})  # the arguments above
+        self.shape_buckets = None
+
+        def check_shape_buckets():  # graphs on: their padding, checked in the config's order
+            self.shape_buckets = self._shape_buckets(task, ls_shape_buckets,
+                                                     ls_shape_bucket_slack)
+
+        # every flag resolved and refused once, as the run's TrainingConfig reads it
+        modes = training_config.criterion_switches(flags, check_shape_buckets)
         self.ls_fused_output_ce = ls_fused_output_ce
-        # the refusals of the run's config (ls_fairseq.training_config), in their order here
-        switches.at_least("--ls-fused-output-ce-chunk", ls_fused_output_ce_chunk, 0,
-                          training_config.CHUNK_ZERO)
         self.ls_fused_output_ce_chunk = ls_fused_output_ce_chunk or None
-        graphs = switches.resolve(ls_cuda_graphs, ls_no_cuda_graphs, "--ls-cuda-graphs")
-        use_graphs = graphs != switches.OFF
-        if use_graphs:
-            switches.at_least("--ls-cuda-graphs-max", ls_cuda_graphs_max, 1)
-        self.shape_buckets = self._shape_buckets(
-            task, ls_shape_buckets, ls_shape_bucket_slack) if use_graphs else None
-        copy_engine = switches.resolve(ls_copy_engine_all_reduce, ls_no_copy_engine_all_reduce,
-                                       "--ls-copy-engine-all-reduce")
-        if copy_engine == switches.ON and not use_graphs:
-            raise switches.Refused(training_config.COPY_ENGINE_WITHOUT_GRAPHS)
+        graphs, copy_engine = modes["ls_cuda_graphs"], modes["ls_copy_engine_all_reduce"]
         first_sighting = captures_first_sighting(str(ls_cuda_graphs_capture),
                                                  padded=self.shape_buckets is not None)
         self.graphs = CudaGraphedLoss(
             max_graphs=ls_cuda_graphs_max, bucket_mb=ls_all_reduce_bucket_mb,
             capture_first_sighting=first_sighting, memory=str(ls_cuda_graphs_memory),
-            required=graphs == switches.ON, copy_engine=copy_engine) if use_graphs else None
+            required=graphs == switches.ON,
+            copy_engine=copy_engine) if graphs != switches.OFF else None
         self._flops_of = (None, None)  # (model, its TransformerFlops), see _model_flops
         # the modes its check_run reads; the trainer's patches read the run's TrainingConfig
-        self.ls_async_stats = switches.resolve(ls_async_stats, ls_no_async_stats,
-                                               "--ls-async-stats")
-        self.ls_fix_batches_to_gpus = switches.resolve(
-            ls_fix_batches_to_gpus, ls_no_fix_batches_to_gpus, "--ls-fix-batches-to-gpus")
-        switches.at_least("--ls-cost-matching-window", ls_cost_matching_window, 0, "0: off")
-        self.ls_cost_matching_window = int(ls_cost_matching_window)
+        self.ls_async_stats = modes["ls_async_stats"]
+        self.ls_fix_batches_to_gpus = modes["ls_fix_batches_to_gpus"]
+        self.ls_cost_matching_window = modes["ls_cost_matching_window"]
 
     def check_run(self, cfg, run: switches.RunFacts, model=None) -> None:
         """Before training (``fairseq_patches``, patch 9, with the trainer's whole ``cfg`` and its
