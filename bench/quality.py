@@ -423,26 +423,9 @@ def permutation_p(xs, ys, one_sided=False):
     large (in size; ``one_sided``: as large upwards). Exact up to ``PERMUTATIONS`` splits, else
     that many random splits from a fixed seed. Assumes nothing about the runs' distribution,
     which at 3,000 updates is skewed by the runs that loop."""
-    pooled, n = list(xs) + list(ys), len(xs)
     if not xs or not ys:
         return None
-
-    def diff(idx):
-        chosen = set(idx)
-        a = [pooled[i] for i in idx]
-        b = [v for i, v in enumerate(pooled) if i not in chosen]
-        return sum(a) / len(a) - sum(b) / len(b)
-
-    observed, tol = diff(range(n)), 1e-9  # tol: the same split summed in another order
-    beyond = (lambda d: d >= observed - tol) if one_sided else \
-        (lambda d: abs(d) >= abs(observed) - tol)
-    if math.comb(len(pooled), n) <= PERMUTATIONS:
-        splits = [diff(idx) for idx in itertools.combinations(range(len(pooled)), n)]
-        return sum(1 for d in splits if beyond(d)) / len(splits)
-    rng = random.Random(0)
-    hits = sum(1 for _ in range(PERMUTATIONS)
-               if beyond(diff(rng.sample(range(len(pooled)), n))))
-    return (hits + 1) / (PERMUTATIONS + 1)
+    return paired_p([(xs, ys)], one_sided)[1]  # one group: every split of the pooled runs
 
 
 def by_seed(rows, variant, key):
@@ -469,10 +452,7 @@ def paired_p(pairs, one_sided=False):
     def delta(groups):
         return sum(sum(a) / len(a) - sum(b) / len(b) for a, b in groups) / len(groups)
 
-    splits = []
-    for a, b in pairs:
-        pool = list(a) + list(b)
-        splits.append((pool, len(a)))
+    splits = [(list(a) + list(b), len(a)) for a, b in pairs]  # (pooled runs, variant's count)
 
     def relabel(choice):
         out = []
@@ -481,7 +461,7 @@ def paired_p(pairs, one_sided=False):
             out.append(([pool[i] for i in idx], [x for i, x in enumerate(pool) if i not in chosen]))
         return out
 
-    observed, tol = delta(pairs), 1e-9
+    observed, tol = delta(pairs), 1e-9  # tol: the same split summed in another order
     beyond = (lambda d: d >= observed - tol) if one_sided else \
         (lambda d: abs(d) >= abs(observed) - tol)
     total = math.prod(math.comb(len(pool), n) for pool, n in splits)
