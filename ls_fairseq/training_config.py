@@ -165,6 +165,15 @@ def of(trainer) -> Optional[TrainingConfig]:
     return getattr(trainer, ATTRIBUTE, None)
 
 
+def workers_and_processes(trainer):
+    """``trainer``'s data-parallel workers and the processes of its run (more than the workers
+    under model parallelism)."""
+    workers = trainer.data_parallel_world_size
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+        else workers
+    return workers, processes
+
+
 def data_parallel_switch(trainer, switch: str, flag: str, logger: logging.Logger) -> bool:
     """Whether ``switch`` (the mode of ``flag``, e.g. ``"ls_async_stats"``) is on for
     ``trainer``'s run of several processes of plain data parallelism. One process, or a trainer
@@ -175,10 +184,7 @@ def data_parallel_switch(trainer, switch: str, flag: str, logger: logging.Logger
     mode = config.mode(switch) if config is not None else OFF
     if mode == OFF:
         return False
-    workers = trainer.data_parallel_world_size
-    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
-        else workers
-    reason = switches.data_parallel_conflict(workers, processes)
+    reason = switches.data_parallel_conflict(*workers_and_processes(trainer))
     if reason == "":
         return False
     if reason is not None:

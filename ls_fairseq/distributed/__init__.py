@@ -20,9 +20,10 @@ Map:
   agreement) without waiting for the GPU (``--ls-async-stats``; installed by
   ``fairseq_patches``).
 
-Imports: this package uses ``ls_fairseq.switches``, ``wrappers``, ``host_copy`` and ``ops`` (peer
-memory, the shard sum, the flag barrier), never ``graphs``, ``criterions``, ``optim``, ``models``,
-``modules``, ``generation``, ``data`` or ``fairseq_patches`` (``graphs`` and ``optim`` import it:
+Imports: this package uses ``ls_fairseq.switches``, ``training_config``, ``wrappers``,
+``host_copy`` and ``ops`` (peer memory, the shard sum, the flag barrier), never ``graphs``,
+``criterions``, ``optim``, ``models``, ``modules``, ``generation``, ``data`` or
+``fairseq_patches`` (``graphs`` and ``optim`` import it:
 tests/test_import_graph.py). Its one piece of process-wide state is the weak registry of
 ``exchange`` (why: see there).
 """

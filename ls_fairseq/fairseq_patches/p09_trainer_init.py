@@ -18,11 +18,7 @@ NUMBER = 9
 
 def run_facts(trainer) -> switches.RunFacts:
     """What ``trainer``'s run is, for the checks before training."""
-    import torch.distributed as dist
-
-    workers = trainer.data_parallel_world_size
-    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
-        else workers
+    workers, processes = training_config.workers_and_processes(trainer)
     backend = getattr(trainer.cfg.distributed_training, "distributed_backend", "nccl")
     return switches.RunFacts(cuda=bool(getattr(trainer, "cuda", False)), workers=workers,
                              processes=processes, backend=str(backend))
