@@ -35,7 +35,7 @@ def _jit_cache(directory):
     """(the folder of the just-in-time build of these sources, whether it is built already)."""
     from torch.utils import cpp_extension
 
-    name = f"{_extension.EXTENSION_NAME}_{_extension._sources_digest(directory)}"
+    name = _extension.jit_name(directory)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     folder = os.path.join(root, name)
     return folder, os.path.exists(os.path.join(folder, f"{name}.so"))

@@ -329,16 +329,21 @@ def _prebuilt_decision():
     return (record if use else None), line
 
 
+def jit_name(directory) -> str:
+    """The just-in-time build's name (its folder in torch's extensions cache). torch rebuilds when
+    a listed source changes, but not when a header does: the name carries a digest of every file
+    in csrc/, so any change gets its own build."""
+    return f"{EXTENSION_NAME}_{_sources_digest(directory)}"
+
+
 def _jit_build():
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("nvcc was not found (set CUDA_HOME)")
     directory = csrc_dir()
-    name = f"{EXTENSION_NAME}_{_sources_digest(directory)}"
+    name = jit_name(directory)
     cpp_extension.load(
-        # torch rebuilds when a listed source changes, but not when a header does: name the build
-        # after a digest of every file in csrc/ so any change gets its own build
         name=name,
         sources=source_files(directory),
         extra_include_paths=[directory],
