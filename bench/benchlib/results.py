@@ -7,8 +7,9 @@ A results file is one JSON object:
 key        value
 ========== ===================================================================================
 schema     ``"ls-fairseq-results/1"``
-script     the script that made the rows (``bench/e2e.py``), ``unknown`` where nothing says; a
-           script since removed is named as it was (docs/results/README.md says where it is)
+script     the script that made the rows (``bench/e2e.py``; a check under ``scripts/`` too),
+           ``unknown`` where nothing says; a script since removed is named as it was
+           (docs/results/README.md says where it is)
 what       one line: what the rows are (docs/results/README.md lists it)
 device     the GPU(s) or CPU the rows were measured on
 commit     the commit measured (``LS_BENCH_COMMIT``, else git), with a note where it differs
@@ -50,8 +51,8 @@ def problems(obj):
         out.append(f"date: {date!r} is not YYYY-MM-DD (or 'unknown')")
     script = obj.get("script")
     if isinstance(script, str) and script != "unknown" and not re.match(
-            r"^bench/[\w./-]+\.(py|sh)$", script):
-        out.append(f"script: {script!r} is not a path under bench/ (or 'unknown')")
+            r"^(bench|scripts)/[\w./-]+\.(py|sh)$", script):
+        out.append(f"script: {script!r} is not a path under bench/ or scripts/ (or 'unknown')")
     rows = obj.get("rows")
     if not isinstance(rows, list) or not rows:
         out.append("rows: a non-empty list is required")
