@@ -338,6 +338,22 @@ def overlong_examples(hyps, refs, k=3, chars=200):
              "extra_words": extra[i]} for i in worst if extra[i] > 0]
 
 
+#: fairseq-generate runs again after running out of GPU memory, this many times at most, this
+#: many seconds apart: the runs of a call share one GPU, and another run's training or decoding
+#: can hold the memory for a moment; a trained model is not thrown away for that
+DECODE_RETRIES, DECODE_RETRY_WAIT_S = 3, 30
+
+
+def decode(cmd, env, retries=DECODE_RETRIES, wait_s=DECODE_RETRY_WAIT_S):
+    """fairseq-generate's completed process, and how many times it ran again for lack of GPU
+    memory (any other failure is final)."""
+    for attempt in range(retries + 1):
+        gen = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if gen.returncode == 0 or "out of memory" not in gen.stderr or attempt == retries:
+            return gen, attempt
+        time.sleep(wait_s)
+
+
 def run_one(a, data, variant, seed, raw_refs, lock, port=None):
     name = f"{variant}_s{seed}"
     run_dir = os.path.join(a.workdir, "runs", name)
@@ -363,8 +379,9 @@ def run_one(a, data, variant, seed, raw_refs, lock, port=None):
         row["error"] = f"fairseq-train exit {rc}: {tail}"
     else:
         t1 = time.time()
-        gen = subprocess.run(generate_cmd(a, data, variant, run_dir), capture_output=True,
-                             text=True, env=gen_env)
+        gen, retries = decode(generate_cmd(a, data, variant, run_dir), gen_env)
+        if retries:
+            row["generate_retries"] = retries
         with open(os.path.join(run_dir, "generate.txt"), "w") as f:
             f.write(gen.stdout + gen.stderr)
         hyps, _ = parse_generate(gen.stdout)  # scored against the raw test text (no <unk>)

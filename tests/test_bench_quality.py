@@ -695,3 +695,28 @@ def test_adam_shadow_measures_the_master_at_its_operand_scale():
     assert adam_shadow._ulps(rounded, ref) > 1e5  # at its own spacing: "wrong"
     assert adam_shadow._ulps(rounded, ref, p0) <= 1.0
     assert adam_shadow._ulps(ref + torch.tensor([1e-3, 0.0]), ref, p0) > adam_shadow.MAX_ULPS
+
+
+def test_decode_runs_again_after_running_out_of_gpu_memory(monkeypatch):
+    """The runs of a call share one GPU: a decode that ran out of memory runs again (the trained
+    model is kept); any other failure, or the last attempt, is final."""
+    import subprocess
+
+    outcomes = []
+
+    def fake_run(cmd, **kw):
+        code, err = outcomes.pop(0)
+        return subprocess.CompletedProcess(cmd, code, stdout="H-0\t-1\ta b\n", stderr=err)
+
+    monkeypatch.setattr(quality.subprocess, "run", fake_run)
+    monkeypatch.setattr(quality.time, "sleep", lambda s: None)
+    oom = (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    outcomes[:] = [oom, oom, (0, "")]
+    gen, retries = quality.decode(["fairseq-generate"], {}, retries=3)
+    assert gen.returncode == 0 and retries == 2 and not outcomes
+    outcomes[:] = [oom, (1, "FileNotFoundError: no checkpoint"), (0, "")]
+    gen, retries = quality.decode(["fairseq-generate"], {}, retries=3)
+    assert gen.returncode == 1 and retries == 1 and len(outcomes) == 1
+    outcomes[:] = [oom, oom]
+    gen, retries = quality.decode(["fairseq-generate"], {}, retries=1)
+    assert gen.returncode == 1 and "out of memory" in gen.stderr and retries == 1
