@@ -445,14 +445,17 @@ def permutation_p(xs, ys, one_sided=False):
     return paired_p([(xs, ys)], one_sided)[1]  # one group: every split of the pooled runs
 
 
+def values(rows, variant, key, seed=None):
+    """``key``'s values of ``variant``'s decoded runs (of ``seed`` only, if given)."""
+    return [r[key] for r in rows if r["variant"] == variant and "bleu" in r
+            and r.get(key) is not None and (seed is None or r.get("seed") == seed)]
+
+
 def by_seed(rows, variant, key):
     """``[(variant's values, baseline's values)]`` of ``key``, one pair per seed both trained."""
-    def of(v, seed):
-        return [r[key] for r in rows if r["variant"] == v and r.get("seed") == seed
-                and "bleu" in r and r.get(key) is not None]
-
     seeds = sorted({r.get("seed") for r in rows if r["variant"] == variant and "bleu" in r})
-    pairs = [(of(variant, seed), of("baseline", seed)) for seed in seeds]
+    pairs = [(values(rows, variant, key, seed), values(rows, "baseline", key, seed))
+             for seed in seeds]
     return [(a, b) for a, b in pairs if a and b]
 
 
@@ -527,11 +530,6 @@ def summarize(rows, variants, recipe="real"):
         s["low_runs"] = sum(1 for r in good if r["bleu"] < s["bleu_median"] - LOW_RUN_BLEU)
         out[v] = s
     base = out.get("baseline")
-
-    def values(v, key):
-        return [r[key] for r in rows if r["variant"] == v and "bleu" in r
-                and r.get(key) is not None]
-
     for v, s in out.items():
         if v == "baseline" or base is None or base["n"] == 0 or s["n"] == 0:
             continue
@@ -546,12 +544,14 @@ def summarize(rows, variants, recipe="real"):
         for key, name, upwards in JUDGED:
             if name not in inside:
                 continue
-            s["p"][name] = permutation_p(values(v, key), values("baseline", key), upwards)
+            s["p"][name] = permutation_p(values(rows, v, key), values(rows, "baseline", key),
+                                         upwards)
             if not inside[name]:
                 s["outside"].append(name)
-        s["paired"] = {key: paired_p(by_seed(rows, v, key), key == "degenerate")
-                       for key in ("bleu", "length_ratio", "degenerate", "clean_length_ratio")}
-        s["paired_seeds"] = len(by_seed(rows, v, "bleu"))
+        pairs = {key: by_seed(rows, v, key)
+                 for key in ("bleu", "length_ratio", "degenerate", "clean_length_ratio")}
+        s["paired"] = {key: paired_p(p, key == "degenerate") for key, p in pairs.items()}
+        s["paired_seeds"] = len(pairs["bleu"])
         s["detectable_bleu"] = detectable(s["bleu_sd"], s["n"], base["bleu_sd"], base["n"])
         s["detectable_length"] = detectable(s["length_ratio_sd"], s["n"],
                                             base["length_ratio_sd"], base["n"])

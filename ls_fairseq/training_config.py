@@ -94,6 +94,12 @@ class TrainingConfig:
         caller has said so, or refused the run, with ``switches.refuse_or_step_aside``)."""
         self.run.stepped_aside.setdefault(switch, reason)
 
+    def decline(self, switch: str, flag: str, reason: str, logger: logging.Logger) -> None:
+        """``switch`` (the mode of ``flag``) cannot apply to this run, because of ``reason``:
+        refused if required, else off for the rest of the run, said once."""
+        switches.refuse_or_step_aside(self.mode(switch), flag, reason, logger)
+        self.step_aside(switch, reason)
+
 
 def criterion_switches(c, check_graphs=None) -> dict:
     """The :class:`TrainingConfig` fields of ``--criterion ls_label_smoothed_cross_entropy``'s
@@ -188,7 +194,6 @@ def data_parallel_switch(trainer, switch: str, flag: str, logger: logging.Logger
     if reason == "":
         return False
     if reason is not None:
-        switches.refuse_or_step_aside(mode, flag, reason, logger)
-        config.step_aside(switch, reason)
+        config.decline(switch, flag, reason, logger)
         return False
     return True

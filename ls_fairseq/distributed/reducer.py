@@ -118,7 +118,7 @@ class GradientReducer:
     def take_exchange(self) -> GradientExchange:
         """This update's ``GradientExchange``; the record is reset (handed over once)."""
         kind, self._kind = self._kind, NOTHING
-        return GradientExchange(self.grads, kind, self._peer or None)
+        return GradientExchange(self.grads, kind, self.peer)
 
     # -- NCCL or copy engines --------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class GradientReducer:
                                 f"kernel per bucket shard; --ls-no-copy-engine-all-reduce for "
                                 f"NCCL's all-reduce")
                     self._peer = peer
-        return self._peer or None
+        return self.peer
 
     def use_copy_engines(self, peer):
         """Takes ``peer`` (a ``PeerAllReduce`` every rank has agreed on) as this run's reduction,

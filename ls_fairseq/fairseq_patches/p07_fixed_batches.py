@@ -84,9 +84,7 @@ def fixed_batches_train_iterator(original):
             # fairseq's own --fix-batches-to-gpus path, which FixedOrderedBatches leaves to fairseq
             reason = ("the dataset prefetches, and fairseq keeps its own order for such datasets "
                       "(its --fix-batches-to-gpus gives this order)")
-            switches.refuse_or_step_aside(config.mode("ls_fix_batches_to_gpus"),
-                                          "--ls-fix-batches-to-gpus", reason, logger)
-            config.step_aside("ls_fix_batches_to_gpus", reason)
+            config.decline("ls_fix_batches_to_gpus", "--ls-fix-batches-to-gpus", reason, logger)
             fixed = False
         if window > 1 and not fixed:  # the criterion's check_run refused the other cases
             raise switches.refusal("--ls-cost-matching-window", "it orders the batches fixed "
