@@ -45,6 +45,7 @@ from fairseq import search
 from fairseq.sequence_generator import SequenceGenerator
 from torch import Tensor
 
+from ..cuda_capture import collector_paused
 from ..models.ls_transformer import LSTransformerDecoder
 from ..modules.kv_cache import StaticKVCache
 from ..ops import _extension
@@ -92,16 +93,17 @@ def _capture(graph: "torch.cuda.CUDAGraph", pool, fn) -> Optional[str]:
     any thread breaks it, and fairseq's data loader pins memory (cudaHostAlloc) on its own
     thread while fairseq-generate decodes. Captured work does not run, so after a failure the
     step has not happened."""
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     error = None
-    try:
-        fn()
-    except RuntimeError as e:  # a call the capture refused (ending it then raises again)
-        error = e
-    try:
-        graph.capture_end()
-    except RuntimeError as e:
-        error = error or e
+    with collector_paused():  # a collected MemPool would abort the process mid-capture
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            fn()
+        except RuntimeError as e:  # a call the capture refused (ending it then raises again)
+            error = e
+        try:
+            graph.capture_end()
+        except RuntimeError as e:
+            error = error or e
     return None if error is None else str(error).splitlines()[0]
 
 

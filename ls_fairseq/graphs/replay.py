@@ -79,6 +79,7 @@ import weakref
 import torch
 
 from .. import switches
+from ..cuda_capture import collector_paused
 from ..distributed import GradientReducer
 from ..distributed.exchange import register
 from ..wrappers import data_parallel_of, grad_sync_due, innermost, is_torch_ddp
@@ -585,16 +586,17 @@ class CudaGraphedLoss:
         # thread_local: only this thread is barred from calls that are unsafe during a capture.
         # In the default global mode a call from any thread breaks the capture, and fairseq's
         # data loader pins memory (cudaHostAlloc, event queries) on its own thread meanwhile.
-        graph.capture_begin(pool=self._memory.handle, capture_error_mode="thread_local")
-        try:
-            out = fn()
-        except BaseException:
+        with collector_paused():  # a collected MemPool would abort the process mid-capture
+            graph.capture_begin(pool=self._memory.handle, capture_error_mode="thread_local")
             try:
-                graph.capture_end()
-            except Exception:  # noqa: BLE001 - the capture is already broken by the error above
-                pass
-            raise
-        graph.capture_end()
+                out = fn()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is already broken by the error above
+                    pass
+                raise
+            graph.capture_end()
         return out
 
     def _replay_forward(self, graphs, sample):
