@@ -8,10 +8,12 @@ from the same seed on the same batches with the same dropout masks, once with fa
 under fairseq's FP16Optimizer, and again with the fused fp16 copy), for 60 updates at ``--fp16``
 across two epoch ends (validation and checkpoint saving in between). Their training runs must
 stay in lockstep: every update's logged loss within 0.005 (fairseq logs three decimals), the same
-loss scale (the same overflows), the grad norm within 1%, the same validation losses within 0.01.
+loss scale (the same overflows), the grad norm within 1% while the learning rate warms up and
+within 3% after, with no bias (``ls_fairseq/testing/lockstep.py``: rounding alone moves it that
+much at the peak learning rate, in both directions), the same validation losses within 0.01.
 Any systematic difference in the criterion's gradient or in the optimizer's step compounds over
-the updates and breaks this; rounding alone does not within 60 updates (measured: ≤ 0.001 over
-200 updates on Multi30k with the base Transformer).
+the updates and breaks this; rounding alone keeps the losses together (measured: ≤ 0.001 over
+200 updates on Multi30k with the base Transformer; ≤ 0.002 here).
 
 The ls_ model itself draws its dropout masks differently, so it is compared with dropout off:
 ``ls_transformer`` + ls criterion + ``ls_adam`` against fairseq's three, 30 updates within 0.01.
@@ -60,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import ls_fairseq
+from ls_fairseq.testing.lockstep import BIAS_TOL, assert_gnorms_follow
 
 pytestmark = pytest.mark.gpu
 
@@ -84,6 +87,7 @@ RUNS = {  # name: (arch, criterion, optimizer, dropout, flags)
     "ls_no_dropout_defaults": ("ls_transformer", LS_CRITERION, "ls_adam", "0.0", []),
 }
 UPDATES = 60
+WARMUP = 40  # --warmup-updates: grad norms within 1% until here, then rounding grows (lockstep.py)
 INIT_SCALE = 128.0  # fairseq's --fp16-init-scale default
 # the defaults arms after an overflow (module docstring): per overflow counted so far, and for
 # the other dropout masks
@@ -121,7 +125,7 @@ def train(work, name, run=None, more=()):
     cmd = [sys.executable, "-m", "fairseq_cli.train", str(work / "bin"), "--arch", arch,
            "--share-all-embeddings", "--criterion", criterion, "--label-smoothing", "0.1",
            "--optimizer", optimizer, "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3",
-           "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "40", "--weight-decay",
+           "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(WARMUP), "--weight-decay",
            "0.0001", "--dropout", dropout, "--max-tokens", "2048", "--max-update",
            str(UPDATES), "--fp16", "--seed", "1", "--save-dir", str(work / name),
            "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "1",
@@ -152,17 +156,20 @@ def logs(tmp_path_factory):
     return train_side_by_side(tmp_path_factory, "parity", RUNS)
 
 
-def _lockstep(logs, ref, other, updates, tol, gnorm_tol):
+def _lockstep(logs, ref, other, updates, tol, gnorm_tol, bias_tol=None):
+    """Every update's loss within ``tol``, the same loss scale, grad norms as
+    :func:`assert_gnorms_follow` (``gnorm_tol`` while the learning rate warms up)."""
     a, b = logs[ref][0], logs[other][0]
     assert set(range(1, updates + 1)) <= set(a) and set(range(1, updates + 1)) <= set(b)
     for u in range(1, updates + 1):
         ra, rb = a[u], b[u]
         assert abs(float(ra["loss"]) - float(rb["loss"])) <= tol, (u, ra, rb)
         assert float(ra["loss_scale"]) == float(rb["loss_scale"]), (u, ra, rb)
-        assert abs(float(rb["gnorm"]) / float(ra["gnorm"]) - 1) <= gnorm_tol, (u, ra, rb)
+    assert_gnorms_follow([(u, a[u], b[u]) for u in range(1, updates + 1)], WARMUP,
+                         warmup_tol=gnorm_tol, bias_tol=bias_tol)
 
 
-def _follows(logs, ref, other, updates, tol, gnorm_tol, dropout):
+def _follows(logs, ref, other, updates, tol, gnorm_tol, dropout, bias_tol=None):
     """``other`` (the deferred overflow check) against ``ref`` (fairseq) on what stays comparable
     (module docstring). Returns (updates compared, overflows, updates in strict lockstep)."""
     a_rows, b_rows = logs[ref][0], logs[other][0]
@@ -186,7 +193,7 @@ def _follows(logs, ref, other, updates, tol, gnorm_tol, dropout):
     assert first_a == first_b or min(first_a, first_b) >= len(b), \
         f"the first overflow: after fairseq's real update {first_a}, after other's {first_b}"
     strict = min(first_a, first_b)
-    overflows = 0
+    overflows, lockstep = 0, []
     for j, (ra, (rb, n)) in enumerate(zip(a, b)):
         overflows += n
         if j <= strict:  # every backward used fairseq's scale: the one fairseq logged after the
@@ -195,10 +202,11 @@ def _follows(logs, ref, other, updates, tol, gnorm_tol, dropout):
             assert scale(rb) == want, (j, ra, rb)
         if j < strict or (j == strict and not dropout):  # the same weights, batch and masks
             assert abs(float(ra["loss"]) - float(rb["loss"])) <= tol, (j, ra, rb)
-            assert abs(float(rb["gnorm"]) / float(ra["gnorm"]) - 1) <= gnorm_tol, (j, ra, rb)
+            lockstep.append((j + 1, ra, rb))
         else:
             bound = AFTER_OVERFLOW * overflows + (AFTER_OVERFLOW_DROPOUT if dropout else 0.0)
             assert abs(float(ra["loss"]) - float(rb["loss"])) <= bound, (j, overflows, ra, rb)
+    assert_gnorms_follow(lockstep, WARMUP, warmup_tol=gnorm_tol, bias_tol=bias_tol)
     valid_a, valid_b = logs[ref][1], logs[other][1]
     assert len(valid_a) >= 1 and len(valid_b) >= 1
     first_skip = min((int(r["num_updates"]) for r in logs[other][4]
@@ -215,7 +223,7 @@ def _follows(logs, ref, other, updates, tol, gnorm_tol, dropout):
 
 @pytest.mark.parametrize("name", ["ls_parts", "ls_parts_fused_copy"])
 def test_ls_criterion_and_adam_train_in_lockstep_with_fairseqs(logs, name):
-    _lockstep(logs, "fairseq", name, UPDATES, tol=0.005, gnorm_tol=0.01)
+    _lockstep(logs, "fairseq", name, UPDATES, tol=0.005, gnorm_tol=0.01, bias_tol=BIAS_TOL)
     valid_ref, valid = logs["fairseq"][1], logs[name][1]
     assert len(valid) == len(valid_ref) >= 2  # at least one epoch end before the last update
     assert all(abs(x - y) <= 0.01 for x, y in zip(valid, valid_ref)), (valid, valid_ref)
@@ -233,7 +241,8 @@ def test_plain_command_with_fairseqs_model_follows_fairseqs(logs):
     assert out.count("ls-cuda-graphs is off for this run") == 1
     assert "--ls-cuda-graphs: captured" not in out
     compared, overflows, strict = _follows(logs, "fairseq", "ls_parts_defaults", UPDATES,
-                                           tol=0.005, gnorm_tol=0.01, dropout=True)
+                                           tol=0.005, gnorm_tol=0.01, dropout=True,
+                                           bias_tol=BIAS_TOL)
     print(f"ls_parts_defaults: {compared} updates compared, {overflows} overflows, {strict} in "
           f"strict lockstep")
 
