@@ -23,6 +23,7 @@ sys.path[:0] = [str(ROOT / "tests" / "gpu"), str(ROOT / "tests"), str(ROOT / "be
 
 import torch  # noqa: E402
 import test_training_parity_cuda as parity  # noqa: E402
+from ls_fairseq.testing.lockstep import gnorm_difference  # noqa: E402
 
 
 def main():
@@ -46,8 +47,7 @@ def main():
     kept = {}
     for name, log in logs.items():
         rows = log[0]
-        gn = [abs(float(rows[u]["gnorm"]) / float(ref[u]["gnorm"]) - 1)
-              for u in range(1, parity.UPDATES + 1)]
+        gn = [abs(gnorm_difference(ref[u], rows[u])) for u in range(1, parity.UPDATES + 1)]
         dl = [abs(float(rows[u]["loss"]) - float(ref[u]["loss"]))
               for u in range(1, parity.UPDATES + 1)]
         print(f"{name:14s} grad norm, largest difference per 10 updates: "
@@ -66,7 +66,7 @@ def main():
                        + again,
                "script": "scripts/parity_gnorm.py", "device": torch.cuda.get_device_name(0),
                "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-               "runs": kept}
+               "warmup_updates": parity.WARMUP, "runs": kept}
         pathlib.Path(args.json).write_text(json.dumps(doc, indent=0) + "\n")
 
 

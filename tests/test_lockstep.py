@@ -9,9 +9,10 @@ import pytest
 
 from ls_fairseq.testing.lockstep import BIAS_TOL, PEAK_TOL, WARMUP_TOL, assert_gnorms_follow
 
-RUNS = json.loads((pathlib.Path(__file__).parent / "data" / "parity_gnorm_h200.json")
-                  .read_text())["runs"]
-WARMUP = 40  # the recipe's --warmup-updates (tests/gpu/test_training_parity_cuda.py)
+RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "parity_gnorm_h200.json")
+                      .read_text())
+RUNS = RECORDED["runs"]
+WARMUP = RECORDED["warmup_updates"]  # the recipe's --warmup-updates
 
 
 def _pairs(name, scale=1.0, at=None, by=1.0):

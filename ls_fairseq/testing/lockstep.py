@@ -23,15 +23,20 @@ BIAS_TOL = 0.002
 Row = Mapping[str, object]  # one logged update (fairseq's train_inner json)
 
 
+def gnorm_difference(ref: Row, other: Row) -> float:
+    """The other run's logged grad norm relative to fairseq's, minus one (signed)."""
+    return float(other["gnorm"]) / float(ref["gnorm"]) - 1
+
+
 def assert_gnorms_follow(pairs: Iterable[Tuple[int, Row, Row]], warmup_updates: int,
                          warmup_tol: float = WARMUP_TOL, peak_tol: float = PEAK_TOL,
                          bias_tol: Optional[float] = BIAS_TOL) -> float:
     """``pairs``: (update number, fairseq's row, the other run's row) of the updates compared.
-    Raises AssertionError naming the first update outside its bound, or the bias; returns the
-    mean signed relative difference (None: ``bias_tol`` not checked)."""
+    Raises AssertionError naming the first update outside its bound, or the bias (unless
+    ``bias_tol`` is None); returns the mean signed difference (:func:`gnorm_difference`)."""
     differences = []
     for update, ref, other in pairs:
-        difference = float(other["gnorm"]) / float(ref["gnorm"]) - 1
+        difference = gnorm_difference(ref, other)
         bound = warmup_tol if update <= warmup_updates else peak_tol
         assert abs(difference) <= bound, (
             f"update {update}: grad norm {other['gnorm']} against fairseq's {ref['gnorm']} "
