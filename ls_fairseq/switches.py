@@ -75,7 +75,8 @@ ONE_PROCESS = "it works between several workers (GPUs), and this run has one"
 
 
 def at_least(flag: str, value, least, meaning: str = "") -> None:
-    """Refuse ``flag``'s ``value`` below ``least`` (``meaning``: what its smallest values do)."""
-    if value < least:
+    """Refuse ``flag``'s ``value`` below ``least``, or NaN (``meaning``: what its smallest values
+    do)."""
+    if not value >= least:  # NaN too
         said = f" ({meaning})" if meaning else ""
         raise Refused(f"{flag} must be >= {least}{said}, got {value}")

@@ -165,8 +165,7 @@ class CudaGraphedLoss:
     def __init__(self, max_graphs: int = 256, bucket_mb: float = 25.0,
                  capture_first_sighting: bool = False, memory: str = "compact",
                  required: bool = False, copy_engine: str = switches.AUTO):
-        if not bucket_mb >= 0:  # NaN too
-            raise switches.Refused(f"--ls-all-reduce-bucket-mb must be >= 0, got {bucket_mb}")
+        switches.at_least("--ls-all-reduce-bucket-mb", bucket_mb, 0)
         if memory not in MEMORY_CHOICES:
             raise switches.Refused(f"--ls-cuda-graphs-memory must be one of "
                                    f"{', '.join(MEMORY_CHOICES)}, got {memory!r}")

@@ -80,8 +80,7 @@ class ShapeBuckets:
             # multiple of a power of two (--required-seq-len-multiple) stay multiples of it
             raise switches.Refused(f"--ls-shape-buckets must be 0 (no padding) or a power of "
                                    f"two, got {steps}")
-        if not slack >= 0:  # NaN too
-            raise switches.Refused(f"--ls-shape-bucket-slack must be >= 0, got {slack}")
+        switches.at_least("--ls-shape-bucket-slack", slack, 0)
         self.steps, self.slack, self.tokens = steps, slack, tokens
         self.shapes: List[Shape] = []  # padded shapes chosen so far, in order of first use
 
